@@ -1,0 +1,1 @@
+"""Triton kernels beside their torch references: arrive with the kernels issue."""

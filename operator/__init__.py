@@ -1,0 +1,1 @@
+"""kvpilot operator: arrives with the operator issue."""

@@ -1,0 +1,65 @@
+"""What one scheduler step hands the model runner, and what the runner hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.runtime.outputs import TokenLogprobs
+from kvpilot.runtime.request import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no row for: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    # Prompt plus any output produced before a preemption: all of it is recomputed.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request that already has a row: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Tokens to compute this step, per request; the sum is within max_num_batched_tokens.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Rows the runner drops before this step: finished or aborted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Rows the runner drops too; these requests come back later as NewRequestData.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs for prompt positions start .. start + len(entries) - 1."""
+
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per scheduled request: empty while its prompt is still being prefilled.
+    sampled_token_ids: list[list[int]]
+    # Per request: one entry per sampled token, or None when logprobs were not asked for.
+    logprobs: list[list[TokenLogprobs] | None]
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
