@@ -7,10 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -34,7 +32,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: list[int]
-    dtype: torch.dtype
+    dtype: str
+
+    @property
+    def torch_dtype(self):
+        # Imported here so that the scheduler and its tests never pull in torch.
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32") -> "ModelConfig":
@@ -42,7 +47,7 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"model: no config.json in {path!s}")
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         hf = json.loads(config_file.read_text())
         architecture = (hf.get("architectures") or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -72,7 +77,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=bool(attention_bias),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            dtype=DTYPES[dtype],
+            dtype=dtype,
         )
 
 

@@ -1,0 +1,114 @@
+"""The scheduler's only view of KV memory: per-request block lists on top of the block pool."""
+
+from __future__ import annotations
+
+from kvpilot.runtime.core.block_pool import BlockPool, KVCacheBlock
+from kvpilot.runtime.core.hashing import extend_block_hashes
+from kvpilot.runtime.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the hash map (or were skipped
+        # as duplicates), so each step hashes only the blocks that became full since.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, in whole blocks, and its length in tokens.
+
+        A pure lookup: nothing is claimed until `allocate_slots` succeeds.
+        """
+        # Cached positions never went through the model, so they would have no prompt logprobs.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        extend_block_hashes(request, self.block_size)
+        # The last token must be computed to get logits, so a full hit is cut back by a block.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for the request's computed, newly hit and new tokens.
+
+        Returns the newly allocated blocks, or None, with nothing changed, when they do not fit.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_tokens // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Hit blocks that nobody holds sit in the free queue: claiming them uses up free blocks.
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+            return None
+
+        # Claim the hits before popping new blocks, or a pop could evict one of them.
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if request.request_id not in self.req_to_blocks:
+            self.req_to_blocks[request.request_id] = req_blocks
+            # Hit blocks are in the hash map already.
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
+
+        if request.num_computed_tokens == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_new_computed_tokens
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        # Blocks are published when scheduled, not after the forward pass: a hit in this same
+        # step is still safe, as the runner writes each layer's KV before attention reads it.
+        extend_block_hashes(request, self.block_size)
+        num_cached = self.num_cached_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        if blocks is None:
+            return
+        del self.num_cached_blocks[request.request_id]
+        # Reversed, so the request's tail blocks, the least likely to be shared, go first.
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,283 @@
+"""The unified token-budget scheduler: each step maps requests to token counts, with no phases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpilot.runtime.core.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvpilot.runtime.core.sched.request_queue import create_request_queue
+from kvpilot.runtime.outputs import EngineCoreOutput
+from kvpilot.runtime.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    # Only for annotations: the config module imports torch, and the scheduler needs none.
+    from kvpilot.runtime.config import SchedulerConfig
+    from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self._policy = config.policy
+        self.waiting = create_request_queue(config.policy)
+        # Admission order; a dict so that removal is O(1) and the last admitted is at the end.
+        self.running: dict[str, Request] = {}
+        # Every unfinished request, waiting or running.
+        self.requests: dict[str, Request] = {}
+        # Finished or aborted since the last schedule(): the runner drops their rows.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the scheduler")
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def set_policy(self, policy: str) -> None:
+        queue = create_request_queue(policy)
+        if policy == self._policy:
+            return
+        # Preempted requests sit at the head of an FCFS queue, in the order they went back; the
+        # rest follow by arrival. A priority queue ignores the order it is filled in.
+        preempted = [r for r in self.waiting if r.status == RequestStatus.PREEMPTED]
+        fresh = [r for r in self.waiting if r.status != RequestStatus.PREEMPTED]
+        for request in preempted + sorted(fresh, key=lambda r: (r.arrival_time, r.request_id)):
+            queue.add_request(request)
+        self.waiting = queue
+        self._policy = policy
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        # Running requests scheduled this step, with the blocks they gained.
+        cached_new_blocks: dict[str, list[int]] = {}
+        preempted: set[str] = set()
+
+        for request in list(self.running.values()):
+            if budget == 0:
+                break
+            # A victim of an earlier preemption in this loop.
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num_new = self._chunk(request, budget)
+            while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim.request_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.request_id)
+                    del cached_new_blocks[victim.request_id]
+                if victim is request:
+                    break
+            if blocks is None:
+                continue
+            num_scheduled[request.request_id] = num_new
+            cached_new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+
+        admitted = [] if preempted else self._admit_waiting(budget, num_scheduled)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    token_ids=list(r.all_token_ids),
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    sampling_params=r.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in admitted
+            ],
+            scheduled_cached_reqs=[
+                CachedRequestData(
+                    req_id=req_id,
+                    new_block_ids=block_ids,
+                    num_computed_tokens=self.requests[req_id].num_computed_tokens,
+                )
+                for req_id, block_ids in cached_new_blocks.items()
+            ],
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_req_ids = set()
+        # The output carries the counts at the start of the step; from here on they include
+        # what this step computes.
+        for req_id, num_new in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num_new
+        return output
+
+    def _chunk(self, request: Request, budget: int, num_hit: int = 0) -> int:
+        # A prefix hit is capped at num_tokens - 1, so at least one token is left to compute.
+        num_new = request.num_tokens - request.num_computed_tokens - num_hit
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[Request]:
+        """Admit from the head of the waiting queue until budget, seats or blocks run out."""
+        admitted: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek_request()
+            # Waiting requests hold no KV: new ones have none yet, preempted ones gave it back.
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._chunk(request, budget, num_hit)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                # Head-of-line: skipping ahead would starve the head.
+                break
+            self.waiting.pop_request()
+            self.running[request.request_id] = request
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            admitted.append(request)
+        return admitted
+
+    def _pick_victim(self) -> Request:
+        if self._policy == "priority":
+            return max(self.running.values(), key=lambda r: (r.priority, r.arrival_time))
+        return next(reversed(self.running.values()))
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV and start over from the head of the queue."""
+        self.kv_cache_manager.free(request)
+        del self.running[request.request_id]
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens, check stops, and say what each request got.
+
+        `scheduler_output` is the step these tokens answer; the runner's output is
+        self-contained, so it is not read.
+        """
+        outputs: list[EngineCoreOutput] = []
+        mro = model_runner_output
+        for index, req_id in enumerate(mro.req_ids):
+            request = self.requests.get(req_id)
+            # Aborted after the step was scheduled: the caller reports it.
+            if request is None:
+                continue
+            new_token_ids: list[int] = []
+            for token_id in mro.sampled_token_ids[index]:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            prompt_logprobs = mro.prompt_logprobs.get(req_id)
+            if not new_token_ids and prompt_logprobs is None and not request.is_finished:
+                continue
+            logprobs = mro.logprobs[index]
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if request.is_finished:
+                del self.running[req_id]
+                self._forget(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Set the finished status if `token_id`, just appended, ends the request."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        max_model_len = self.config.max_model_len
+        if request.num_output_tokens >= request.max_tokens or (
+            max_model_len > 0 and request.num_tokens >= max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string); unknown ids are ignored."""
+        if not finished_status.is_finished:
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                del self.running[req_id]
+            else:
+                self.waiting.remove_request(request)
+            request.status = finished_status
+            self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)

@@ -1,0 +1,108 @@
+"""EngineCore: owns the scheduler, the KV-cache manager and the model runner, and steps them.
+
+One step is `schedule -> execute -> update`. This class is the in-process core; the serving
+process wraps it in a loop with ZMQ sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
+from kvpilot.runtime.core.sched.scheduler import Scheduler
+from kvpilot.runtime.engine.validation import validate_request
+from kvpilot.runtime.outputs import EngineCoreOutput
+from kvpilot.runtime.request import Request, RequestStatus
+from kvpilot.runtime.worker.model_runner import ModelRunner
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config, device or default_device())
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+
+    def _num_kv_blocks(self) -> int:
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        from_budget = cache.kv_cache_memory_bytes // self.model_runner.kv_cache_bytes_per_block()
+        # More than every sequence at full length (plus the null block) could never be used.
+        enough = sched.max_num_seqs * -(-sched.max_model_len // cache.block_size) + 1
+        num_blocks = min(from_budget, enough)
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} is too small for one KV block"
+            )
+        return num_blocks
+
+    def validate(self, prompt_token_ids: list[int], params) -> None:
+        validate_request(
+            prompt_token_ids, params,
+            max_model_len=self.config.scheduler.max_model_len,
+            vocab_size=self.config.model.vocab_size,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request.prompt_token_ids, request.sampling_params)
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            # Every request fits the pool on its own (validate), so an idle step means a scheduler bug;
+            # failing beats spinning forever.
+            raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def set_scheduling_policy(self, policy: str) -> None:
+        self.scheduler.set_policy(policy)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+        )

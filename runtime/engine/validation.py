@@ -1,0 +1,45 @@
+"""Checks a request must pass before it reaches the engine; each error names the field at fault."""
+
+from __future__ import annotations
+
+from kvpilot.runtime.request import SamplingParams
+
+# vLLM's default cap on logprobs and prompt_logprobs.
+MAX_LOGPROBS = 20
+
+
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    num_kv_blocks: int,
+    block_size: int,
+) -> None:
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt is empty: it must have at least one token")
+    if num_prompt >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt} tokens, which leaves no room to generate within "
+            f"max_model_len={max_model_len}"
+        )
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > min(MAX_LOGPROBS, vocab_size):
+            raise ValueError(f"{name} must be at most {min(MAX_LOGPROBS, vocab_size)}, got {value}")
+    max_len = max_model_len if params.max_tokens is None else min(num_prompt + params.max_tokens, max_model_len)
+    # The last sampled token never needs a KV slot.
+    needed = -(-(max_len - 1) // block_size)
+    if needed > num_kv_blocks - 1:
+        raise ValueError(
+            f"request may grow to {max_len} tokens ({needed} KV blocks) but the KV cache holds only "
+            f"{num_kv_blocks - 1} blocks: lower max_tokens or raise num_gpu_blocks_override"
+        )

@@ -1,0 +1,133 @@
+"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.runtime.request import GREEDY_TEMPERATURE
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step; a None tensor means the filter is off for every row."""
+
+    temperature: torch.Tensor  # [B] float32; rows below GREEDY_TEMPERATURE are greedy
+    top_k: torch.Tensor | None  # [B] int64; 0 or -1 turns it off for that row
+    top_p: torch.Tensor | None  # [B] float32; 1.0 turns it off for that row
+    min_p: torch.Tensor | None  # [B] float32; 0.0 turns it off for that row
+    # Row index -> the generator of a request that has its own seed.
+    generators: dict[int, torch.Generator]
+    # The largest `logprobs` N in the batch; None when no request asked for logprobs.
+    max_num_logprobs: int | None
+    all_greedy: bool
+    all_random: bool
+
+
+@dataclass
+class LogprobsTensors:
+    token_ids: torch.Tensor  # [B, N+1] int64: the sampled (or given) token, then the top-N ids
+    logprobs: torch.Tensor  # [B, N+1] float32
+    ranks: torch.Tensor  # [B] int64: rank of column 0's token, 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """The logprob and rank of `token_ids` in each row of `logprobs` [B, V], plus that row's top-N."""
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    token_ids = token_ids.long().unsqueeze(-1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs > token_logprobs).sum(-1) + 1
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids, top_ids], dim=-1),
+        logprobs=torch.cat([token_logprobs, top_logprobs], dim=-1),
+        ranks=ranks,
+    )
+
+
+class Sampler(torch.nn.Module):
+    def forward(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        generator: torch.Generator | None = None,
+    ) -> SamplerOutput:
+        logits = logits.float()
+        if metadata.all_random:
+            sampled = _sample_random(logits, metadata, generator)
+        else:
+            # Argmax of the raw logits, so greedy decoding matches transformers token for token.
+            sampled = logits.argmax(dim=-1)
+            if not metadata.all_greedy:
+                is_greedy = metadata.temperature < GREEDY_TEMPERATURE
+                sampled = torch.where(is_greedy, sampled, _sample_random(logits, metadata, generator))
+
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            # Logprobs describe the model's own distribution, untouched by the sampling filters
+            # (vLLM's default `raw_logprobs` mode).
+            raw = logits.log_softmax(dim=-1)
+            logprobs = gather_logprobs(raw, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _sample_random(
+    logits: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None
+) -> torch.Tensor:
+    # Greedy rows of a mixed batch get temperature 1 here so they stay finite; their result is
+    # discarded by the caller.
+    temperature = metadata.temperature.to(logits.dtype)
+    temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
+    logits = logits / temperature.unsqueeze(-1)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = logits.softmax(dim=-1)
+    if metadata.min_p is not None:
+        # The row's top token always survives, since max_prob * min_p <= max_prob.
+        threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p.unsqueeze(-1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i, needs
+    # no normalisation after filtering, and lets each seeded row draw its own noise.
+    return (probs / _exponential_noise(probs, metadata.generators, generator)).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Masks to -inf every token outside the row's top-k, then outside its top-p nucleus."""
+    vocab_size = logits.shape[-1]
+    # Stable, so ties rank the lowest id first, as argmax does.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        positions = torch.arange(vocab_size, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(positions >= k.unsqueeze(-1), float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # A token stays while the mass strictly above it is still short of top_p; the top token
+        # has none above it, so it always stays. top_p = 1 rows are skipped outright, because
+        # rounding in the cumulative sum could otherwise cut their tail.
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        top_p = top_p.unsqueeze(-1)
+        drop = (mass_above >= top_p) & (top_p < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_noise(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], generator: torch.Generator | None
+) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=generator)
+    # A seeded row draws a full vocabulary of noise from its own generator, one draw per token,
+    # so its tokens depend only on its seed, not on its batch neighbours or its row index.
+    for row, row_generator in generators.items():
+        q[row].exponential_(generator=row_generator)
+    return q

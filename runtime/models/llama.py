@@ -1,0 +1,150 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+
+One forward pass takes the flattened tokens of every scheduled request (no padding, no batch
+dimension): `input_ids` and `positions` are [num_tokens], and the attention metadata says which
+tokens belong to which request.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.runtime.config import ModelConfig
+from kvpilot.runtime.distributed import tp_size
+from kvpilot.runtime.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from kvpilot.runtime.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from kvpilot.runtime.layers.norm import RMSNorm
+from kvpilot.runtime.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        if config.num_key_value_heads % tp_size():
+            raise ValueError(
+                f"num_key_value_heads ({config.num_key_value_heads}) is not divisible by "
+                f"the tensor-parallel size {tp_size()}"
+            )
+        head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp_size()
+        self.num_kv_heads = config.num_key_value_heads // tp_size()
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+             config.num_key_value_heads * head_dim],
+            bias=config.attention_bias,
+            dtype=config.torch_dtype,
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=False, dtype=config.torch_dtype)
+        self.rotary = rotary
+        self.head_dim = head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(
+            positions,
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+        )
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False, dtype=config.torch_dtype
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=False, dtype=config.torch_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+
+    def forward(self, positions, hidden, metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.torch_dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states, [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights) -> None:
+        """Load (name, full tensor) pairs in Hugging Face naming; each layer keeps its own shard."""
+        loaded = set()
+        for hf_name, tensor in weights:
+            target = _PARAMETER_ROUTES.get(hf_name.rsplit(".", 2)[-2], None)
+            module_path, param_name = hf_name.rsplit(".", 1)
+            index = 0
+            if target is not None:
+                fused_name, index = target
+                module_path = module_path.rsplit(".", 1)[0] + "." + fused_name
+            module_path = module_path.removeprefix("model.")
+            if module_path == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            try:
+                module = self.get_submodule(module_path)
+            except AttributeError:
+                raise ValueError(f"checkpoint has a weight this model does not: {hf_name}") from None
+            module.load(param_name, tensor.to(self.config.torch_dtype), index)
+            loaded.add(f"{module_path}.{param_name}")
+        expected = {name for name, _ in self.named_parameters(remove_duplicate=True)}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+
+
+# Checkpoint matrices that live inside a fused layer: name -> (fused layer, index of the part).
+_PARAMETER_ROUTES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}

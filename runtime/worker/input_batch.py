@@ -1,0 +1,112 @@
+"""The persistent input batch: one row per request the runner knows, kept across steps.
+
+Rows are host arrays (token ids, block table, sampling parameters). A step only applies what
+changed: requests removed (finished or preempted), added (new or resumed), and blocks or tokens
+appended; then `condense` moves rows from the tail into the holes so rows stay dense.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvpilot.runtime.core.sched.output import NewRequestData
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.req_ids: list[str | None] = []
+        self.row_of: dict[str, int] = {}
+        self._holes: list[int] = []
+
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        # Keyed by request id rather than row, so moving a row never touches them.
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_logprobs: dict[str, int] = {}
+        self.num_prompt_logprobs: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add_request(self, new: NewRequestData) -> None:
+        row = self._holes.pop() if self._holes else len(self.req_ids)
+        if row == len(self.req_ids):
+            if row >= self.max_num_reqs:
+                raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows)")
+            self.req_ids.append(None)
+        self.req_ids[row] = new.req_id
+        self.row_of[new.req_id] = row
+
+        num_tokens = len(new.token_ids)
+        self.token_ids[row, :num_tokens] = new.token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+
+        params = new.sampling_params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        if params.seed is not None:
+            self.generators[new.req_id] = torch.Generator().manual_seed(params.seed)
+        if params.logprobs is not None:
+            self.num_logprobs[new.req_id] = params.logprobs
+        if params.prompt_logprobs is not None:
+            self.num_prompt_logprobs[new.req_id] = params.prompt_logprobs
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        self.req_ids[row] = None
+        self._holes.append(row)
+        self.generators.pop(req_id, None)
+        self.num_logprobs.pop(req_id, None)
+        self.num_prompt_logprobs.pop(req_id, None)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+
+    def condense(self) -> None:
+        """Fill the holes left by removed rows with the rows at the tail."""
+        self._holes.sort(reverse=True)
+        while self._holes:
+            while self.req_ids and self.req_ids[-1] is None:
+                self.req_ids.pop()
+            hole = self._holes.pop()
+            if hole >= len(self.req_ids):
+                # Every hole left is beyond the (trimmed) end.
+                self._holes.clear()
+                break
+            self._move_row(len(self.req_ids) - 1, hole)
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids.pop()
+        self.req_ids[dst] = req_id
+        self.row_of[req_id] = dst
+        num_tokens, num_blocks = self.num_tokens[src], self.num_blocks[src]
+        self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
+        self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
+        for per_row in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
+                        self.temperature, self.top_k, self.top_p, self.min_p):
+            per_row[dst] = per_row[src]

@@ -1,0 +1,30 @@
+"""Session-wide fixtures: tiny checkpoints are built once and shared by every test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make(tmp_path_factory, "tiny-llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make(tmp_path_factory, "tiny-qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make(tmp_path_factory, "tiny-llama3-rope", arch="llama", llama3_rope_scaling=True)
+
+
+def _make(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any) -> Path:
+    # Imported on first use: suites without torch (the operator's) share this conftest.
+    from kvpilot.runtime.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp(name), **kwargs)

@@ -1,0 +1,175 @@
+"""The engine against its oracle: Hugging Face transformers greedy decoding on the same checkpoint.
+
+Every engine configuration below must reproduce transformers' greedy tokens exactly, for a batch
+of prompts of mixed lengths decoded together.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from kvpilot.runtime import LLM, SamplingParams
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = [1, 3, 17, 40, 64, 99, 150, 200]
+SHARED_PREFIX_LEN = 100
+
+
+def _random_prompts(lengths: list[int], vocab_size: int, seed: int, prefix: list[int] = ()) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [list(prefix) + [rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+class HFOracle:
+    """Greedy continuations and raw logits from transformers, memoised per prompt."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._cache: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+
+    def greedy(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Returns (new token ids, logits [NEW_TOKENS, vocab]); EOS does not stop it (eos_token_id=[])."""
+        key = tuple(prompt)
+        if key not in self._cache:
+            config = GenerationConfig(
+                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True,
+            )
+            input_ids = torch.tensor([prompt])
+            with torch.no_grad():
+                # An explicit mask: otherwise prompt tokens equal to pad_token_id are taken for padding.
+                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                          generation_config=config)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            self._cache[key] = tokens, torch.cat(out.logits).float()
+        return self._cache[key]
+
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([prompt])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request, tiny_llama_dir, tiny_qwen2_dir):
+    model_dir = str(tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir)
+    return model_dir, HFOracle(model_dir)
+
+
+def _greedy(**extra) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **extra)
+
+
+def _assert_matches_oracle(oracle: HFOracle, prompts, outputs) -> None:
+    for prompt, output in zip(prompts, outputs):
+        expected, _ = oracle.greedy(prompt)
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert output.outputs[0].finish_reason == "length"
+
+
+ENGINE_CONFIGS = {
+    "default": {},
+    "chunked_prefill_16": {"max_num_batched_tokens": 16},
+    "block_size_4": {"block_size": 4},
+    "long_prefill_threshold": {"long_prefill_token_threshold": 24, "max_num_seqs": 3},
+}
+
+
+@pytest.mark.parametrize("config_name", ENGINE_CONFIGS)
+def test_greedy_matches_transformers(checkpoint, config_name):
+    model_dir, oracle = checkpoint
+    llm = LLM(model_dir, **ENGINE_CONFIGS[config_name])
+    prompts = _random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=1)
+    _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
+
+
+def test_greedy_matches_under_preemption(checkpoint):
+    model_dir, oracle = checkpoint
+    # 8 sequences of up to 232 tokens want ~75 blocks of 16; 24 blocks force recompute preemption.
+    llm = LLM(model_dir, num_gpu_blocks_override=24)
+    prompts = _random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=2)
+    outputs = llm.generate(prompts, _greedy())
+    assert llm.get_stats().num_preemptions > 0
+    _assert_matches_oracle(oracle, prompts, outputs)
+    assert llm.get_stats().kv_cache_usage == 0.0
+
+
+def test_prefix_caching_on_and_off_agree(checkpoint):
+    model_dir, oracle = checkpoint
+    vocab = LLM(model_dir, num_gpu_blocks_override=8).config.model.vocab_size
+    prefix = _random_prompts([SHARED_PREFIX_LEN], vocab, seed=3)[0]
+    prompts = _random_prompts([1, 5, 20, 33, 60, 2, 9, 14], vocab, seed=4, prefix=prefix)
+    results = {}
+    for caching in (True, False):
+        llm = LLM(model_dir, enable_prefix_caching=caching)
+        # The first request fills the cache; the batch after it shares the prefix.
+        results[caching] = llm.generate(prompts[:1], _greedy()) + llm.generate(prompts[1:], _greedy())
+        stats = llm.get_stats()
+        if caching:
+            assert stats.prefix_cache_hits >= 6 * (SHARED_PREFIX_LEN // 16) * 16
+        else:
+            assert stats.prefix_cache_hits == 0
+    assert [o.outputs[0].token_ids for o in results[True]] == [o.outputs[0].token_ids for o in results[False]]
+    assert any(o.num_cached_tokens > 0 for o in results[True])
+    _assert_matches_oracle(oracle, prompts, results[True])
+
+
+def test_priority_policy_with_mixed_priorities(checkpoint):
+    model_dir, oracle = checkpoint
+    llm = LLM(model_dir, scheduling_policy="priority", max_num_seqs=3, num_gpu_blocks_override=24)
+    prompts = _random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=5)
+    outputs = llm.generate(prompts, _greedy(), priority=[3, -1, 0, 2, 1, 0, -5, 4])
+    _assert_matches_oracle(oracle, prompts, outputs)
+
+
+def test_llama3_rope_scaling_matches_transformers(tiny_llama3_rope_dir):
+    oracle = HFOracle(str(tiny_llama3_rope_dir))
+    llm = LLM(str(tiny_llama3_rope_dir), block_size=8)
+    # Long enough to reach positions where the scaled frequencies differ from plain RoPE.
+    prompts = _random_prompts([300, 7], llm.config.model.vocab_size, seed=6)
+    _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
+
+
+def test_logprobs_close_to_transformers(checkpoint):
+    model_dir, oracle = checkpoint
+    llm = LLM(model_dir, max_num_batched_tokens=32)
+    prompts = _random_prompts([4, 45, 130], llm.config.model.vocab_size, seed=7)
+    outputs = llm.generate(prompts, _greedy(logprobs=5))
+    for prompt, output in zip(prompts, outputs):
+        expected_tokens, logits = oracle.greedy(prompt)
+        reference = torch.log_softmax(logits, dim=-1)
+        completion = output.outputs[0]
+        assert completion.token_ids == expected_tokens
+        assert len(completion.logprobs) == NEW_TOKENS
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            top = torch.topk(reference[step], 5)
+            assert entry[token].rank == 1
+            assert abs(entry[token].logprob - reference[step, token].item()) < 1e-4
+            assert set(entry) == set(top.indices.tolist()) | {token}
+            for token_id, value in zip(top.indices.tolist(), top.values.tolist()):
+                assert abs(entry[token_id].logprob - value) < 1e-4
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(reference[i, t].item() for i, t in enumerate(expected_tokens)), abs=1e-3
+        )
+
+
+def test_prompt_logprobs_close_to_transformers(checkpoint):
+    model_dir, oracle = checkpoint
+    # Chunked prefill: the prompt logprobs arrive in several pieces.
+    llm = LLM(model_dir, max_num_batched_tokens=16)
+    prompt = _random_prompts([50], llm.config.model.vocab_size, seed=8)[0]
+    output = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
+    reference = torch.log_softmax(oracle.prompt_logits(prompt), dim=-1)
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = output.prompt_logprobs[position]
+        actual = prompt[position]
+        expected = reference[position - 1, actual].item()
+        assert abs(entry[actual].logprob - expected) < 1e-4
+        top = torch.topk(reference[position - 1], 3).indices.tolist()
+        assert set(top) <= set(entry)

@@ -1,0 +1,133 @@
+"""The offline API's contract: input forms, output order, seeds, stops and bad input."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvpilot.runtime import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_model_len=128)
+
+
+def test_string_prompts_tokenize_like_transformers(llm, tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    prompts = ["The quick brown fox", "Hello, world!"]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert [o.prompt for o in outputs] == prompts
+    for prompt, output in zip(prompts, outputs):
+        assert output.prompt_token_ids == tokenizer(prompt)["input_ids"]
+        completion = output.outputs[0]
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_outputs_come_back_in_input_order(llm):
+    prompts = [[7] * n for n in (30, 2, 15, 1)]
+    lengths = [5, 1, 9, 3]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert len({o.request_id for o in outputs}) == 4
+
+
+def test_same_seed_same_output_whatever_the_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([[3, 4, 5]], params)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True) for _ in range(3)]
+    batched = llm.generate([[9, 9], [1, 2, 3, 4, 5, 6], [3, 4, 5], [8]], [others[0], others[1], params, others[2]])
+    assert batched[2].outputs[0].token_ids == alone
+    unseeded = llm.generate([[3, 4, 5]] * 3, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    tokens = greedy.outputs[0].token_ids
+    stop_at = tokens[3]
+    first = tokens.index(stop_at)
+    stopped = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    completion = stopped.outputs[0]
+    assert completion.token_ids == tokens[: first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
+    # min_tokens holds the stop token back until enough tokens exist.
+    held = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                                     min_tokens=first + 2, ignore_eos=True))[0]
+    assert len(held.outputs[0].token_ids) > first + 1
+
+
+def test_max_model_len_caps_output(llm):
+    output = llm.generate([[4] * 120], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert len(output.outputs[0].token_ids) == 8
+    assert output.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "make_params, message",
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(top_k=-2), "top_k"),
+        (lambda: SamplingParams(min_p=2.0), "min_p"),
+        (lambda: SamplingParams(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(make_params, message):
+    with pytest.raises(ValueError, match=message):
+        make_params()
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ("", SamplingParams(), "prompt is empty"),
+        ([1] * 200, SamplingParams(), "max_model_len=128"),
+        ([10**6], SamplingParams(), "vocabulary"),
+        ([1, 2], SamplingParams(logprobs=50), "logprobs"),
+    ],
+)
+def test_bad_prompts_are_refused_and_the_engine_stays_usable(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], prompt], params)
+    stats = llm.get_stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    output = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(output.outputs[0].token_ids) == 3
+
+
+def test_unknown_engine_argument_is_named(tiny_llama_dir):
+    with pytest.raises(ValueError, match="unknown engine argument.*max_num_seq\\b"):
+        LLM(str(tiny_llama_dir), max_num_seq=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"block_size": 3}, "block_size"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+    ],
+)
+def test_bad_engine_arguments_name_the_field(tiny_llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama_dir), **kwargs)
+
+
+def test_request_too_big_for_the_kv_pool_is_refused(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), num_gpu_blocks_override=3, block_size=4)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        llm.generate([[1] * 6], SamplingParams(max_tokens=8))
+    assert llm.generate([[1] * 6], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_generate_with_priority_list_must_match(llm):
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([[1], [2]], SamplingParams(max_tokens=1), priority=[0])
