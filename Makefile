@@ -1,6 +1,9 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+# The repository root holds a folder named `operator`, which would shadow the standard library's
+# module if `python -m` put the working directory on sys.path.
+export PYTHONSAFEPATH := 1
 
 .PHONY: test venv
 
@@ -10,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[runtime,operator,test]'
 	touch $@
 
 venv: $(VENV)/.installed
