@@ -1,18 +1,29 @@
-"""What the engine returns: per-step deltas from the core, and the user-facing RequestOutput."""
+"""What the engine returns: per-step deltas from the core, and the user-facing RequestOutput.
+
+The per-step types are msgspec Structs because they cross the EngineCore's output socket as is.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass
-class TokenLogprobs:
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
     """Logprobs at one position: index 0 is the sampled (or actual prompt) token, then the top-N."""
 
     token_ids: list[int]
     logprobs: list[float]
     # Rank of each token in the full distribution, 1 = most likely.
     ranks: list[int]
+
+
+class PromptLogprobsChunk(msgspec.Struct, array_like=True):
+    """Prompt logprobs for prompt positions start .. start + len(entries) - 1."""
+
+    start: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass
@@ -22,17 +33,18 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step produced for one request."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    new_prompt_logprobs: object | None = None  # a PromptLogprobsChunk
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    # Seconds from arrival at the engine to first scheduling: on the request's first output only.
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:

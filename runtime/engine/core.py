@@ -6,7 +6,6 @@ process wraps it in a loop with ZMQ sockets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -14,20 +13,11 @@ import torch
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
 from kvpilot.runtime.core.sched.scheduler import Scheduler
+from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.engine.validation import validate_request
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request, RequestStatus
 from kvpilot.runtime.worker.model_runner import ModelRunner
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 def default_device() -> torch.device:
@@ -105,4 +95,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            scheduling_policy=self.scheduler.policy,
         )

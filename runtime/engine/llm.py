@@ -9,9 +9,15 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.core.sched.output import PromptLogprobsChunk
 from kvpilot.runtime.engine.core import EngineCore, EngineStats
-from kvpilot.runtime.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, TokenLogprobs
+from kvpilot.runtime.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobsChunk,
+    RequestOutput,
+    TokenLogprobs,
+)
 from kvpilot.runtime.request import Request, SamplingParams
 
 Prompt = str | list[int]

@@ -17,6 +17,8 @@ def validate_request(
     num_kv_blocks: int,
     block_size: int,
 ) -> None:
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: the engine core runs one sequence per request; fan n > 1 out first")
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise ValueError("prompt is empty: it must have at least one token")

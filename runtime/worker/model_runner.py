@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.core.sched.output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.layers.attention import AttentionMetadata, get_attention_backend
 from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from kvpilot.runtime.models.loader import load_model
-from kvpilot.runtime.outputs import TokenLogprobs
+from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
 from kvpilot.runtime.worker.input_batch import InputBatch
 

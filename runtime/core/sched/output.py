@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.runtime.outputs import TokenLogprobs
+from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import SamplingParams
 
 
@@ -45,14 +45,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt logprobs for prompt positions start .. start + len(entries) - 1."""
-
-    start: int
-    entries: list[TokenLogprobs]
 
 
 @dataclass
