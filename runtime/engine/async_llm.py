@@ -1,17 +1,50 @@
-"""The frontend in the API-server process: tokenize, send to the EngineCore process, stream back.
+"""The frontend in the API-server process: validate, send to the EngineCore process, stream back.
 
-(INTERFACE DRAFT: being implemented now; signatures below are the contract.)
+Requests go out on a ZMQ ROUTER socket from the event loop (sends never block). Outputs come
+back on a PULL socket read by one thread, which decodes them off the event loop and hands them
+over with `call_soon_threadsafe`; everything per-request (detokenizing, stop strings, timings)
+then happens on the loop, so no state is shared between threads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import asyncio
+import itertools
+import json
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
 
+import msgspec
+import zmq
+from tokenizers import Tokenizer
+
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.engine.messages import EngineStats
-from kvpilot.runtime.outputs import Logprob
+from kvpilot.runtime.engine.core_process import run_engine_core
+from kvpilot.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.runtime.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    HandshakeReady,
+    RequestType,
+    UtilityCall,
+)
+from kvpilot.runtime.engine.validation import validate_request
+from kvpilot.runtime.outputs import EngineCoreOutput, Logprob, TokenLogprobs
 from kvpilot.runtime.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often the output thread, when no output arrives, checks that the engine is alive.
+LIVENESS_POLL_MS = 200
 
 
 class EngineDeadError(RuntimeError):
@@ -68,34 +101,152 @@ class StatLogger(Protocol):
     def record_finished_request(self, stats: FinishedRequestStats) -> None: ...
 
 
+class _Choice:
+    """The frontend's state for one request in the engine (one choice of a client request)."""
+
+    def __init__(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
+                 num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: asyncio.Queue,
+                 tenant: str | None) -> None:
+        self.request_id = request_id
+        self.engine_id = engine_id
+        self.index = index
+        self.params = params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.detokenizer = detokenizer
+        self.sink = sink
+        self.tenant = tenant
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: dict[int, TokenLogprobs] = {}
+        self.prompt_logprobs_sent = False
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.inter_token_latencies: list[float] = []
+        self.queue_time: float | None = None
+
+    def note_tokens(self, count: int, now: float) -> None:
+        if count == 0:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            # Tokens arriving together (one step) share the interval.
+            self.inter_token_latencies.extend([(now - self.last_token_time) / count] * count)
+        self.last_token_time = now
+        self.num_output_tokens += count
+
+    def stats(self, finish_reason: str) -> FinishedRequestStats:
+        now = time.monotonic()
+        return FinishedRequestStats(
+            finish_reason=finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            e2e_latency=now - self.arrival,
+            time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
+            inter_token_latencies=self.inter_token_latencies,
+            queue_time=self.queue_time,
+            tenant=self.tenant,
+        )
+
+
 class AsyncLLM:
     """Owns the EngineCore process and the per-request output streams.
 
-    Construction (blocking) validates the engine args in this process, spawns the EngineCore
-    process and waits for its handshake; raises ValueError for bad args and RuntimeError when the
-    engine fails to start (with the engine's own error message).
+    Construction (blocking) validates the engine args here, spawns the EngineCore process and
+    waits for its handshake: ValueError for bad args, RuntimeError (with the engine's own
+    message) when the engine fails to start.
     """
 
-    # Set after the handshake.
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
-    model_dir: str
-    tokenizer: object  # tokenizers.Tokenizer
-    tokenizer_config: dict  # tokenizer_config.json (chat_template, bos_token, eos_token, ...)
-    eos_token_id: int | None
+    def __init__(self, engine_args: EngineArgs, startup_timeout: float = 300.0) -> None:
+        self.config = engine_args.create_engine_config()
+        self.model_dir = engine_args.model
+        model_path = Path(engine_args.model)
+        tokenizer_file = model_path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"model: no tokenizer.json in {engine_args.model}")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config_file = model_path / "tokenizer_config.json"
+        self.tokenizer_config: dict = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        eos = self.config.model.eos_token_ids
+        self.eos_token_id = eos[0] if eos else None
+        self.vocab_size = self.config.model.vocab_size
 
-    def __init__(self, engine_args: EngineArgs, startup_timeout: float = 300.0) -> None: ...
+        self._choices: dict[str, _Choice] = {}
+        self._stat_loggers: list[StatLogger] = []
+        self._dead_callbacks: list[Callable[[str], None]] = []
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._dead_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._output_thread: threading.Thread | None = None
+        self._closed = False
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvpilot-")
+        input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.ROUTER)
+        # Unlimited queue and an error, not a silent drop, if the engine is not connected.
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(engine_args, input_address, output_address),
+            name="kvpilot-engine-core", daemon=True,
+        )
+        self._process.start()
+        try:
+            self._wait_for_handshake(startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def _wait_for_handshake(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self._input, zmq.POLLIN)
+        poller.register(self._output, zmq.POLLIN)
+        while time.monotonic() < deadline:
+            events = dict(poller.poll(LIVENESS_POLL_MS))
+            if self._output in events:
+                # Before the handshake the engine only speaks to report its death.
+                message = msgspec.msgpack.decode(self._output.recv(), type=EngineCoreOutputs)
+                raise RuntimeError(f"the engine failed to start: {message.engine_dead}")
+            if self._input in events:
+                self._engine_identity, payload = self._input.recv_multipart()
+                ready = msgspec.msgpack.decode(payload, type=HandshakeReady)
+                self.num_kv_blocks = ready.num_kv_blocks
+                self.block_size = ready.block_size
+                self.max_model_len = ready.max_model_len
+                return
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self._process.exitcode} during startup")
+        raise RuntimeError(f"the engine did not start within {timeout:.0f} s")
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming the field (empty prompt, too long, ids out of vocab, logprobs > 20)."""
+        validate_request(
+            prompt_token_ids, replace(params, n=1),
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
+        )
 
-    def generate(
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -114,27 +265,232 @@ class AsyncLLM:
         ValueError for bad input (before anything is queued), EngineDeadError if the engine dies.
         Stop strings are detected here; the matching text is cut and the engine told to abort.
         """
-        ...
+        self._start_output_thread()
+        self._raise_if_dead()
+        self.validate(prompt_token_ids, params)
+        engine_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        if any(engine_id in self._choices for engine_id in engine_ids):
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
-    async def abort(self, request_ids: list[str]) -> None: ...
+        sink: asyncio.Queue = asyncio.Queue()
+        for index, engine_id in enumerate(engine_ids):
+            child = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include_stop_str_in_output)
+            self._choices[engine_id] = _Choice(request_id, engine_id, index, child, len(prompt_token_ids),
+                                               detokenizer, sink, tenant)
+            self._send(RequestType.ADD, EngineCoreRequest(
+                request_id=engine_id, prompt_token_ids=prompt_token_ids, sampling_params=child,
+                eos_token_id=self.eos_token_id, priority=priority, cache_salt=cache_salt,
+            ))
+        unfinished = set(engine_ids)
+        try:
+            while unfinished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    unfinished.discard(engine_ids[item.index])
+                yield item
+        finally:
+            if unfinished:
+                self._abort_choices(unfinished)
 
-    async def get_stats(self) -> EngineStats: ...
+    def _abort_choices(self, engine_ids) -> None:
+        for engine_id in engine_ids:
+            choice = self._choices.pop(engine_id, None)
+            if choice is not None:
+                self._record_finished(choice, "abort")
+        if not self.errored:
+            self._send(RequestType.ABORT, AbortRequests(request_ids=list(engine_ids)))
 
-    async def reset_prefix_cache(self) -> bool: ...
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort client requests by id (each of their choices), as if their clients went away."""
+        wanted = set(request_ids)
+        engine_ids = [engine_id for engine_id, choice in self._choices.items() if choice.request_id in wanted]
+        for engine_id in engine_ids:
+            choice = self._choices[engine_id]
+            choice.sink.put_nowait(self._stream_output(choice, [], None, "abort", None))
+        self._abort_choices(engine_ids)
+
+    # -- utility calls --------------------------------------------------------------------------
+
+    async def get_stats(self) -> EngineStats:
+        return await self._call("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
 
     async def set_scheduling_policy(self, policy: str) -> None:
         """Live from the next step; ValueError for an unknown policy."""
+        await self._call("set_scheduling_policy", policy)
 
-    def add_stat_logger(self, logger: StatLogger) -> None: ...
+    async def _call(self, method: str, *args: str):
+        self._start_output_thread()
+        self._raise_if_dead()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self._send(RequestType.UTILITY, UtilityCall(call_id=call_id, method=method, args=list(args)))
+        return await future
+
+    # -- observers ------------------------------------------------------------------------------
+
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        self._stat_loggers.append(logger)
 
     def on_engine_dead(self, callback: Callable[[str], None]) -> None:
         """Called once, on the event loop, with the reason, when the engine process dies."""
+        self._dead_callbacks.append(callback)
 
     @property
-    def errored(self) -> bool: ...
+    def errored(self) -> bool:
+        return self._dead_reason is not None
 
     @property
-    def num_unfinished_requests(self) -> int: ...
+    def num_unfinished_requests(self) -> int:
+        return len(self._choices)
 
-    def shutdown(self) -> None:
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _send(self, request_type: RequestType, message) -> None:
+        self._input.send_multipart([self._engine_identity, request_type.value, msgspec.msgpack.encode(message)])
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def _start_output_thread(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._output_thread = threading.Thread(target=self._read_outputs, name="frontend-output", daemon=True)
+        self._output_thread.start()
+
+    def _read_outputs(self) -> None:
+        """Output thread: decode off the loop, hand over on the loop; watch the engine's pulse."""
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        while not self._closed:
+            if not self._output.poll(LIVENESS_POLL_MS):
+                if not self._process.is_alive() and not self._closed:
+                    reason = f"the engine process exited with code {self._process.exitcode}"
+                    self._loop.call_soon_threadsafe(self._engine_died, reason)
+                    return
+                continue
+            message = decoder.decode(self._output.recv())
+            self._loop.call_soon_threadsafe(self._process_outputs, message)
+            if message.engine_dead is not None:
+                return
+
+    def _process_outputs(self, message: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        for output in message.outputs:
+            choice = self._choices.get(output.request_id)
+            if choice is not None:
+                self._process_output(choice, output, now)
+        if message.stats is not None:
+            for stat_logger in self._stat_loggers:
+                stat_logger.record_engine_stats(message.stats)
+        if message.utility_result is not None:
+            result = message.utility_result
+            future = self._utility_calls.pop(result.call_id, None)
+            if future is not None and not future.done():
+                if result.error is None:
+                    future.set_result(result.value)
+                else:
+                    future.set_exception(ValueError(result.error))
+        if message.engine_dead is not None:
+            self._engine_died(f"the engine failed: {message.engine_dead}")
+
+    def _process_output(self, choice: _Choice, output: EngineCoreOutput, now: float) -> None:
+        if output.queue_time is not None:
+            choice.queue_time = output.queue_time
+        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
+        if output.new_prompt_logprobs is not None:
+            chunk = output.new_prompt_logprobs
+            for offset, entry in enumerate(chunk.entries):
+                choice.prompt_logprobs[chunk.start + offset] = entry
+        choice.note_tokens(len(output.new_token_ids), now)
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
+        stop_string = choice.detokenizer.update(output.new_token_ids)
+        if stop_string is not None and finish_reason is None:
+            finish_reason, stop_reason = "stop", stop_string
+            self._send(RequestType.ABORT, AbortRequests(request_ids=[choice.engine_id]))
+        if not output.new_token_ids and finish_reason is None:
+            return  # a prefill chunk: nothing to show yet
+        choice.sink.put_nowait(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
+                                                   finish_reason, stop_reason))
+        if finish_reason is not None:
+            del self._choices[choice.engine_id]
+            self._record_finished(choice, finish_reason)
+
+    def _stream_output(self, choice: _Choice, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                       finish_reason: str | None, stop_reason) -> StreamOutput:
+        prompt_logprobs = None
+        if choice.params.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
+            choice.prompt_logprobs_sent = True
+            prompt_logprobs = [None] + [
+                self._decode_logprobs(choice.prompt_logprobs[pos])
+                for pos in range(1, choice.num_prompt_tokens) if pos in choice.prompt_logprobs
+            ]
+        return StreamOutput(
+            request_id=choice.engine_id,
+            index=choice.index,
+            text=choice.detokenizer.take_new_text(finished=finish_reason is not None),
+            token_ids=list(token_ids),
+            logprobs=None if choice.params.logprobs is None else [self._decode_logprobs(e) for e in logprobs or []],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=choice.num_prompt_tokens,
+            num_output_tokens=choice.num_output_tokens,
+            num_cached_tokens=choice.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _decode_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        return {
+            token: Logprob(logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))
+            for token, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+        }
+
+    def _record_finished(self, choice: _Choice, finish_reason: str) -> None:
+        stats = choice.stats(finish_reason)
+        for stat_logger in self._stat_loggers:
+            stat_logger.record_finished_request(stats)
+
+    def _engine_died(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        logger.error("%s", reason)
+        error = EngineDeadError(reason)
+        for choice in self._choices.values():
+            choice.sink.put_nowait(error)
+        self._choices.clear()
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._utility_calls.clear()
+        for callback in self._dead_callbacks:
+            callback(reason)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._process.is_alive() and hasattr(self, "_engine_identity"):
+            try:
+                self._send(RequestType.SHUTDOWN, None)
+            except zmq.ZMQError:
+                pass  # already unreachable: the kill below still ends it
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout)
+        # The output thread owns its socket until it sees _closed, within one poll interval.
+        if self._output_thread is not None:
+            self._output_thread.join()
+        self._input.close()
+        self._output.close()
+        self._context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

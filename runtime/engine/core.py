@@ -6,6 +6,7 @@ process wraps it in a loop with ZMQ sockets.
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
@@ -34,6 +35,8 @@ class EngineCore:
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        # Queue times measured at first scheduling, waiting to ride on the request's next output.
+        self._queue_times: dict[str, float] = {}
 
     def _num_kv_blocks(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -65,7 +68,10 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._queue_times.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -78,8 +84,20 @@ class EngineCore:
             # Every request fits the pool on its own (validate), so an idle step means a scheduler bug;
             # failing beats spinning forever.
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")
+        self._note_queue_times(scheduler_output)
         runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for output in outputs:
+            output.queue_time = self._queue_times.pop(output.request_id, None)
+        return outputs
+
+    def _note_queue_times(self, scheduler_output) -> None:
+        now = time.monotonic()
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self.scheduler.requests[new.req_id]
+            # A resumed request was queued once already; only the first wait counts.
+            if request.num_preemptions == 0:
+                self._queue_times[new.req_id] = now - request.arrival_time
 
     def set_scheduling_policy(self, policy: str) -> None:
         self.scheduler.set_policy(policy)

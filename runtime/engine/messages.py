@@ -33,6 +33,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
 
 
+class AbortRequests(msgspec.Struct, array_like=True):
+    request_ids: list[str]
+
+
 class EngineStats(msgspec.Struct, array_like=True):
     """The engine's gauges and cumulative counters after a step."""
 

@@ -1,0 +1,176 @@
+"""The EngineCore process: a busy loop around EngineCore, with its socket I/O on two threads.
+
+The main thread only schedules and runs the model. An input thread receives and decodes
+requests; an output thread encodes and sends results. Decoding and encoding thus overlap the
+model step, and the busy loop never blocks on a socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.engine.core import EngineCore
+from kvpilot.runtime.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    HandshakeReady,
+    RequestType,
+    UtilityCall,
+    UtilityResult,
+)
+from kvpilot.runtime.outputs import EngineCoreOutput
+from kvpilot.runtime.request import Request
+
+logger = logging.getLogger(__name__)
+
+# While idle, how often the loop checks that the API-server process is still its parent.
+IDLE_POLL_SECONDS = 1.0
+
+_DECODERS = {
+    RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    RequestType.ABORT: msgspec.msgpack.Decoder(AbortRequests),
+    RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+}
+
+
+def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str) -> None:
+    """Process entry point. Exits 0 on SHUTDOWN, 1 when the engine fails."""
+    # Ctrl-C in a terminal reaches the whole process group; the API server decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    context = zmq.Context()
+    outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+    output_thread = threading.Thread(target=_send_outputs, args=(context, output_address, outputs),
+                                     name="engine-output", daemon=True)
+    output_thread.start()
+    exit_code = 0
+    try:
+        core = EngineCore(engine_args.create_engine_config())
+        _EngineLoop(core, context, input_address, outputs).run()
+    except BaseException as exc:  # noqa: BLE001 - whatever kills the engine is reported, then we exit
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        outputs.put(EngineCoreOutputs(engine_dead=f"{type(exc).__name__}: {exc}"))
+        exit_code = 1
+    outputs.put(None)
+    output_thread.join(timeout=5)
+    os._exit(exit_code)
+
+
+def _send_outputs(context: zmq.Context, address: str, outputs: queue.Queue) -> None:
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 2000)
+    socket.connect(address)
+    encoder = msgspec.msgpack.Encoder()
+    while (message := outputs.get()) is not None:
+        socket.send(encoder.encode(message), copy=False)
+    socket.close()
+
+
+class _EngineLoop:
+    def __init__(self, core: EngineCore, context: zmq.Context, input_address: str,
+                 outputs: queue.Queue) -> None:
+        self.core = core
+        self.outputs = outputs
+        self.inputs: queue.Queue[tuple[RequestType, object]] = queue.Queue()
+        self.parent_pid = os.getppid()
+        self.running = True
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(input_address)
+        # The handshake travels on the input socket, so the API server's ROUTER learns our
+        # identity before it has anything to send us.
+        cache, sched = core.config.cache, core.config.scheduler
+        ready = HandshakeReady(num_kv_blocks=core.num_kv_blocks, block_size=cache.block_size,
+                               max_model_len=sched.max_model_len)
+        socket.send(msgspec.msgpack.encode(ready))
+        threading.Thread(target=self._receive_inputs, args=(socket,), name="engine-input", daemon=True).start()
+
+    def _receive_inputs(self, socket: zmq.Socket) -> None:
+        while True:
+            frames = socket.recv_multipart()
+            try:
+                kind, payload = frames
+                request_type = RequestType(kind)
+                message = None if request_type is RequestType.SHUTDOWN else _DECODERS[request_type].decode(payload)
+            except (ValueError, msgspec.DecodeError) as exc:
+                # A malformed message is the sender's bug; dropping it keeps every other request alive.
+                logger.error("dropped a malformed input message: %s", exc)
+                continue
+            self.inputs.put((request_type, message))
+
+    def run(self) -> None:
+        was_busy = False
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            if busy:
+                self._drain_inputs(block=False)
+            else:
+                if was_busy:
+                    # One last report so the gauges read idle.
+                    self.outputs.put(EngineCoreOutputs(stats=self.core.get_stats()))
+                self._drain_inputs(block=True)
+            was_busy = busy
+            if self.running and self.core.has_unfinished_requests():
+                step_outputs = self.core.step()
+                self.outputs.put(EngineCoreOutputs(outputs=step_outputs, stats=self.core.get_stats()))
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            item = self.inputs.get(timeout=IDLE_POLL_SECONDS) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            if block and os.getppid() != self.parent_pid:
+                raise RuntimeError("the API-server process is gone") from None
+            return
+        self._handle(*item)
+        while not self.inputs.empty():
+            self._handle(*self.inputs.get_nowait())
+
+    def _handle(self, request_type: RequestType, message) -> None:
+        if request_type is RequestType.ADD:
+            self._add(message)
+        elif request_type is RequestType.ABORT:
+            self.core.abort_requests(message.request_ids)
+        elif request_type is RequestType.UTILITY:
+            self.outputs.put(EngineCoreOutputs(utility_result=self._call_utility(message)))
+        else:
+            self.running = False
+
+    def _add(self, message: EngineCoreRequest) -> None:
+        request = Request(
+            message.request_id, message.prompt_token_ids, message.sampling_params,
+            eos_token_id=message.eos_token_id, priority=message.priority, cache_salt=message.cache_salt,
+            max_model_len=self.core.config.scheduler.max_model_len,
+        )
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            # The frontend validates first, so this is a disagreement between the two: end the
+            # request rather than the engine.
+            logger.error("refused request %s: %s", message.request_id, exc)
+            aborted = EngineCoreOutput(request_id=message.request_id, new_token_ids=[], finish_reason="abort")
+            self.outputs.put(EngineCoreOutputs(outputs=[aborted]))
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            if call.method == "get_stats":
+                value = self.core.get_stats()
+            elif call.method == "reset_prefix_cache":
+                value = self.core.reset_prefix_cache()
+            elif call.method == "set_scheduling_policy":
+                self.core.set_scheduling_policy(*call.args)
+                value = None
+            else:
+                raise ValueError(f"unknown utility method {call.method!r}")
+        except (ValueError, TypeError) as exc:
+            return UtilityResult(call_id=call.call_id, error=str(exc))
+        return UtilityResult(call_id=call.call_id, value=value)

@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop strings, for one sequence, in the API-server process."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text as they arrive, and finds stop strings in that text.
+
+    While stop strings are set, the last `len(longest stop) - 1` characters are held back from
+    the stream: they could still turn out to be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False) -> None:
+        self._tokenizer = tokenizer
+        # DecodeStream keeps the byte-level state, so a multi-byte character split across
+        # tokens comes out whole, once.
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop = [s for s in stop or [] if s]
+        self._include_stop = include_stop_str_in_output
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0
+
+    def update(self, token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string that ended the text, if one did."""
+        for token_id in token_ids:
+            piece = self._stream.step(self._tokenizer, token_id)
+            if not piece:
+                continue
+            searched_before = max(0, len(self.text) - self._holdback)
+            self.text += piece
+            stop = self._find_stop(searched_before)
+            if stop is not None:
+                return stop
+        return None
+
+    def _find_stop(self, start: int) -> str | None:
+        found = [(self.text.find(s, start), s) for s in self._stop]
+        found = [(pos, s) for pos, s in found if pos != -1]
+        if not found:
+            return None
+        pos, stop = min(found)
+        self.text = self.text[: pos + (len(stop) if self._include_stop else 0)]
+        return stop
+
+    def take_new_text(self, finished: bool) -> str:
+        """The text not returned yet; short of the held-back tail until the sequence finishes."""
+        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)
+        new, self._emitted = self.text[self._emitted : end], end
+        return new

@@ -1,0 +1,199 @@
+"""The frontend and the EngineCore process together: real process, real ZMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError, FinishedRequestStats
+
+PROMPTS = ["The quick brown fox", "To bake a simple loaf of bread", "A cache keeps", "In 1969"]
+
+
+class RecordingStatLogger:
+    def __init__(self) -> None:
+        self.engine_stats = []
+        self.finished: list[FinishedRequestStats] = []
+
+    def record_engine_stats(self, stats) -> None:
+        self.engine_stats.append(stats)
+
+    def record_finished_request(self, stats) -> None:
+        self.finished.append(stats)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    # One loop for the module: AsyncLLM binds its output hand-over to the loop it first runs on.
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    llm = AsyncLLM(EngineArgs(model=str(tiny_llama_dir), enable_prefix_caching=False, max_num_seqs=8))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def stat_logger(engine):
+    recorder = RecordingStatLogger()
+    engine.add_stat_logger(recorder)
+    yield recorder
+    engine._stat_loggers.remove(recorder)
+
+
+async def _collect(engine, prompt, params, request_id, **kwargs):
+    return [out async for out in engine.generate(engine.encode(prompt), params, request_id, **kwargs)]
+
+
+def _greedy(max_tokens=24, **extra):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+
+
+def test_streams_match_the_offline_engine(engine, loop, tiny_llama_dir, stat_logger):
+    async def run_all():
+        return await asyncio.gather(*(_collect(engine, p, _greedy(), f"r{i}") for i, p in enumerate(PROMPTS)))
+
+    streams = loop.run_until_complete(run_all())
+    offline = LLM(str(tiny_llama_dir)).generate(PROMPTS, _greedy())
+    for stream, expected in zip(streams, offline):
+        completion = expected.outputs[0]
+        assert "".join(o.text for o in stream) == completion.text
+        assert [t for o in stream for t in o.token_ids] == completion.token_ids
+        assert stream[-1].finish_reason == "length" and stream[-1].num_output_tokens == 24
+        assert all(o.finish_reason is None for o in stream[:-1])
+    assert len(stat_logger.finished) == len(PROMPTS)
+    for stats in stat_logger.finished:
+        assert stats.finish_reason == "length" and stats.num_generation_tokens == 24
+        assert stats.queue_time is not None and stats.time_to_first_token is not None
+        assert len(stats.inter_token_latencies) == 23
+        assert stats.e2e_latency >= stats.time_to_first_token
+    assert stat_logger.engine_stats[-1].num_running == 0
+
+
+def test_n_fans_out_into_seeded_children(engine, loop):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    outputs = loop.run_until_complete(_collect(engine, PROMPTS[0], params, "fan"))
+    by_choice = {i: [t for o in outputs if o.index == i for t in o.token_ids] for i in range(3)}
+    assert all(len(tokens) == 16 for tokens in by_choice.values())
+    assert len({tuple(tokens) for tokens in by_choice.values()}) > 1
+    # Child i is seeded with seed + i, so a lone request with that seed reproduces it.
+    single = loop.run_until_complete(_collect(
+        engine, PROMPTS[0], SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True), "one"))
+    assert [t for o in single for t in o.token_ids] == by_choice[1]
+
+
+def test_stop_string_ends_the_request(engine, loop):
+    full = "".join(o.text for o in loop.run_until_complete(_collect(engine, PROMPTS[1], _greedy(), "full")))
+    stop = full[8:11]
+    outputs = loop.run_until_complete(_collect(engine, PROMPTS[1], _greedy(), "stopped", stop=[stop]))
+    assert "".join(o.text for o in outputs) == full[: full.index(stop)]
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
+    stats = loop.run_until_complete(_wait_idle(engine))
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+
+
+async def _wait_idle(engine, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await engine.get_stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_blocks(engine, loop, stat_logger):
+    async def read_a_little(request_id):
+        stream = engine.generate(engine.encode(PROMPTS[2]), _greedy(max_tokens=400), request_id)
+        async for output in stream:
+            if output.num_output_tokens >= 3:
+                break
+        await stream.aclose()
+
+    async def scenario():
+        await asyncio.gather(*(read_a_little(f"gone{i}") for i in range(6)))
+        return await _wait_idle(engine)
+
+    stats = loop.run_until_complete(scenario())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_cache_usage == 0.0
+    assert engine.num_unfinished_requests == 0
+    assert [s.finish_reason for s in stat_logger.finished] == ["abort"] * 6
+
+
+def test_bad_input_is_refused_before_queueing(engine, loop):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        loop.run_until_complete(engine.generate([], _greedy(), "empty").__anext__())
+    with pytest.raises(ValueError, match="max_model_len"):
+        loop.run_until_complete(
+            engine.generate([5] * engine.max_model_len, _greedy(), "long").__anext__())
+    assert engine.num_unfinished_requests == 0
+
+
+def test_duplicate_request_id_is_refused(engine, loop):
+    async def scenario():
+        first = engine.generate(engine.encode(PROMPTS[0]), _greedy(max_tokens=200), "dup")
+        await first.__anext__()
+        try:
+            with pytest.raises(ValueError, match="already in use"):
+                await engine.generate(engine.encode(PROMPTS[0]), _greedy(), "dup").__anext__()
+        finally:
+            await first.aclose()
+
+    loop.run_until_complete(scenario())
+
+
+def test_scheduling_policy_is_set_live(engine, loop):
+    async def scenario():
+        await engine.set_scheduling_policy("priority")
+        assert (await engine.get_stats()).scheduling_policy == "priority"
+        with pytest.raises(ValueError, match="lifo"):
+            await engine.set_scheduling_policy("lifo")
+        await engine.set_scheduling_policy("fcfs")
+        return await engine.get_stats()
+
+    assert loop.run_until_complete(scenario()).scheduling_policy == "fcfs"
+
+
+def test_engine_start_failure_reports_the_engine_error(tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    with pytest.raises(RuntimeError, match="safetensors"):
+        AsyncLLM(EngineArgs(model=str(broken)))
+
+
+def test_engine_death_fails_requests_promptly(tiny_llama_dir):
+    engine = AsyncLLM(EngineArgs(model=str(tiny_llama_dir)))
+    reasons = []
+    engine.on_engine_dead(reasons.append)
+
+    async def scenario():
+        stream = engine.generate(engine.encode(PROMPTS[0]), _greedy(max_tokens=2000), "doomed")
+        await stream.__anext__()
+        os.kill(engine._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_drain(stream), timeout=10)
+        with pytest.raises(EngineDeadError):
+            await engine.generate(engine.encode(PROMPTS[0]), _greedy(), "after").__anext__()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert engine.errored and len(reasons) == 1 and "code -9" in reasons[0]
+
+
+async def _drain(stream):
+    async for _ in stream:
+        pass
