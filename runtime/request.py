@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         self.stop_token_ids = list(self.stop_token_ids)
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The params of choice `index` of n: one sequence, and its own seed when seeded."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def is_greedy(self) -> bool:

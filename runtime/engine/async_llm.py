@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
 
@@ -239,7 +239,7 @@ class AsyncLLM:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming the field (empty prompt, too long, ids out of vocab, logprobs > 20)."""
         validate_request(
-            prompt_token_ids, replace(params, n=1),
+            prompt_token_ids, params.for_choice(0),
             max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
         )
@@ -274,7 +274,7 @@ class AsyncLLM:
 
         sink: asyncio.Queue = asyncio.Queue()
         for index, engine_id in enumerate(engine_ids):
-            child = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            child = params.for_choice(index)
             detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include_stop_str_in_output)
             self._choices[engine_id] = _Choice(request_id, engine_id, index, child, len(prompt_token_ids),
                                                detokenizer, sink, tenant)

@@ -48,24 +48,47 @@ class LLM:
         # Everything is checked before anything is queued, so a bad prompt leaves the engine as it was.
         token_ids = [self._tokenize(p) for p in prompts]
         for ids, p in zip(token_ids, params):
-            self.engine.validate(ids, p)
+            self.engine.validate(ids, p.for_choice(0))
 
-        requests = [
-            Request(str(next(self._request_counter)), ids, p, eos_token_id=self.eos_token_id,
-                    priority=prio, max_model_len=self.config.scheduler.max_model_len)
-            for ids, p, prio in zip(token_ids, params, priorities)
-        ]
-        results = {r.request_id: _Collector(r) for r in requests}
-        for request in requests:
-            self.engine.add_request(request)
+        # n > 1 runs as n independent requests (choices), as the serving frontend does.
+        choices: list[list[_Collector]] = []
+        for ids, p, prio in zip(token_ids, params, priorities):
+            request_id = str(next(self._request_counter))
+            choices.append([
+                _Collector(Request(request_id if p.n == 1 else f"{i}_{request_id}", ids, p.for_choice(i),
+                                   eos_token_id=self.eos_token_id, priority=prio,
+                                   max_model_len=self.config.scheduler.max_model_len), request_id)
+                for i in range(p.n)
+            ])
+        collectors = {c.request.request_id: c for group in choices for c in group}
+        for collector in collectors.values():
+            self.engine.add_request(collector.request)
         try:
-            while any(not c.finished for c in results.values()):
+            while any(not c.finished for c in collectors.values()):
                 for output in self.engine.step():
-                    results[output.request_id].add(output)
+                    collectors[output.request_id].add(output)
         except BaseException:
-            self.engine.abort_requests([rid for rid, c in results.items() if not c.finished])
+            self.engine.abort_requests([rid for rid, c in collectors.items() if not c.finished])
             raise
-        return [results[r.request_id].build(prompt, self) for r, prompt in zip(requests, prompts)]
+        return [self._request_output(prompt, group) for group, prompt in zip(choices, prompts)]
+
+    def _request_output(self, prompt: Prompt, choices: list[_Collector]) -> RequestOutput:
+        first = choices[0]
+        prompt_logprobs = None
+        if first.request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [
+                self.decode_logprobs(first.prompt_logprobs[pos])
+                for pos in range(1, first.request.num_prompt_tokens)
+            ]
+        return RequestOutput(
+            request_id=first.client_request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=first.request.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=[c.completion(index, self) for index, c in enumerate(choices)],
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens,
+        )
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
@@ -107,10 +130,11 @@ def _per_prompt(value, count: int, name: str) -> list:
 
 
 class _Collector:
-    """Accumulates one request's per-step outputs."""
+    """Accumulates one choice's per-step outputs."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, client_request_id: str) -> None:
         self.request = request
+        self.client_request_id = client_request_id
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: dict[int, TokenLogprobs] = {}
@@ -134,33 +158,17 @@ class _Collector:
         if output.finished:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
 
-    def build(self, prompt: Prompt, llm: LLM) -> RequestOutput:
-        params = self.request.sampling_params
+    def completion(self, index: int, llm: LLM) -> CompletionOutput:
         logprobs = cumulative = None
-        if params.logprobs is not None:
+        if self.request.sampling_params.logprobs is not None:
             logprobs = [llm.decode_logprobs(entry) for entry in self.logprobs]
             cumulative = sum(entry.logprobs[0] for entry in self.logprobs)
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [
-                llm.decode_logprobs(self.prompt_logprobs[pos])
-                for pos in range(1, self.request.num_prompt_tokens)
-            ]
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             text=llm.tokenizer.decode(self.token_ids, skip_special_tokens=True),
             token_ids=self.token_ids,
             cumulative_logprob=cumulative,
             logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-        )
-        return RequestOutput(
-            request_id=self.request.request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=self.request.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=[completion],
-            finished=True,
-            num_cached_tokens=self.num_cached_tokens,
         )

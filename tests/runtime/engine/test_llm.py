@@ -131,3 +131,14 @@ def test_request_too_big_for_the_kv_pool_is_refused(tiny_llama_dir):
 def test_generate_with_priority_list_must_match(llm):
     with pytest.raises(ValueError, match="priority"):
         llm.generate([[1], [2]], SamplingParams(max_tokens=1), priority=[0])
+
+
+def test_n_choices_are_seeded_one_after_another(llm):
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=40, ignore_eos=True)
+    output = llm.generate([[11, 12, 13]], params)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    for index, completion in enumerate(output.outputs):
+        alone = llm.generate([[11, 12, 13]], SamplingParams(max_tokens=8, temperature=1.0, seed=40 + index,
+                                                            ignore_eos=True))[0]
+        assert completion.token_ids == alone.outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1

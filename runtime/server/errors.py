@@ -1,0 +1,86 @@
+"""OpenAI-shaped errors, `{"error": {"message", "type", "param", "code"}}`, for every failure.
+
+Bad input of any kind (malformed JSON, a wrong field type, an unknown route) is answered 4xx in
+this shape; a 500 only ever means a bug in the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# The `type` OpenAI's API gives each status; anything else is named after its HTTP phrase.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the client sees; raise it anywhere below a route."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status_code) or HTTPStatus(self.status_code).phrase.lower().replace(" ", "_")
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return error.response()
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": ")).response()
+    # loc is ("body", "messages", 0, "content", ...): the param is the path inside the body.
+    path = [str(part) for part in first["loc"] if part != "body"]
+    param = ".".join(path) or None
+    message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
+    return bad_request(message, param).response()
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+        return APIError(404, message, code="not_found").response()
+    return APIError(error.status_code, str(error.detail)).response()
+
+
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return APIError(500, "internal server error").response()
