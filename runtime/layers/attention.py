@@ -53,23 +53,45 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """The reference backend: gathers each request's context through its block table."""
+    """The reference backend: gathers each request's context through its block table.
+
+    Requests decoding one token go through one batched, padded call; each prefill chunk gets
+    its own causal call, since padding queries as well would waste more than it saves.
+    """
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        block_size = key_cache.shape[1]
         key_cache.view(-1, *k.shape[1:]).index_copy_(0, metadata.slot_mapping, k)
         value_cache.view(-1, *v.shape[1:]).index_copy_(0, metadata.slot_mapping, v)
 
         out = torch.empty_like(q)
         starts = metadata.query_start_loc_cpu
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            start, end = starts[i], starts[i + 1]
+        decoding = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1]
+        if decoding:
+            rows = torch.tensor(decoding, device=q.device)
+            tokens = metadata.query_start_loc[rows]
+            out[tokens] = _decode_attention(q[tokens], key_cache, value_cache,
+                                            metadata.block_tables[rows], metadata.seq_lens[rows], scale)
+        block_size = key_cache.shape[1]
+        for i in sorted(set(range(metadata.num_reqs)) - set(decoding)):
+            start, end, seq_len = starts[i], starts[i + 1], metadata.seq_lens_cpu[i]
             blocks = metadata.block_tables[i, : -(-seq_len // block_size)]
             keys = key_cache[blocks].flatten(0, 1)[:seq_len]
             values = value_cache[blocks].flatten(0, 1)[:seq_len]
             out[start:end] = _causal_attention(q[start:end], keys, values, scale)
         return out
+
+
+def _decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale):
+    """One query token per request, each over its own context, padded to the longest."""
+    keys = key_cache[block_tables].flatten(1, 2)
+    values = value_cache[block_tables].flatten(1, 2)
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+    )
+    return out.squeeze(2)
 
 
 def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
