@@ -1,0 +1,65 @@
+"""The persistent batch keeps rows across steps, applies diffs, and stays dense."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpilot.runtime.core.sched.output import NewRequestData
+from kvpilot.runtime.request import SamplingParams
+from kvpilot.runtime.worker.input_batch import InputBatch
+from kvpilot.runtime.worker.model_runner import _StepInputs
+
+BLOCK_SIZE = 4
+
+
+def _new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0, **params) -> NewRequestData:
+    return NewRequestData(req_id=req_id, token_ids=tokens, num_prompt_tokens=len(tokens),
+                          sampling_params=SamplingParams(**params), block_ids=blocks, num_computed_tokens=computed)
+
+
+def _batch() -> InputBatch:
+    return InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8)
+
+
+def test_rows_survive_and_condense_fills_holes_from_the_tail():
+    batch = _batch()
+    for i, name in enumerate("abcde"):
+        batch.add_request(_new(name, [i + 1] * 3, [i + 1], temperature=0.1 * i))
+    batch.remove_request("b")
+    batch.remove_request("d")
+    batch.condense()
+    # e (row 4) moved into b's hole (row 1); c kept row 2; d's hole was past the new end.
+    assert batch.req_ids == ["a", "e", "c"]
+    assert batch.row_of == {"a": 0, "e": 1, "c": 2}
+    assert batch.token_ids[1, :3].tolist() == [5, 5, 5]
+    assert batch.block_table[1, :1].tolist() == [5]
+    assert np.isclose(batch.temperature[1], 0.4)
+
+
+def test_a_new_request_takes_a_hole_before_growing_the_batch():
+    batch = _batch()
+    for name in "abc":
+        batch.add_request(_new(name, [1], [1]))
+    batch.remove_request("a")
+    batch.add_request(_new("d", [2, 2], [2], seed=5, logprobs=3))
+    batch.condense()
+    assert batch.req_ids == ["d", "b", "c"]
+    assert set(batch.generators) == {"d"} and batch.num_logprobs == {"d": 3}
+    batch.remove_request("d")
+    assert not batch.generators and not batch.num_logprobs
+
+
+def test_step_inputs_flatten_positions_slots_and_block_tables():
+    batch = _batch()
+    # "p": a 6-token prompt, first chunk of 5 tokens, blocks 7 and 3.
+    batch.add_request(_new("p", [10, 11, 12, 13, 14, 15], [7, 3]))
+    # "d": 5 computed tokens plus one sampled, decoding position 5 (block 9, offset 1).
+    batch.add_request(_new("d", [20, 21, 22, 23, 24, 25], [2, 9], computed=5))
+    step = _StepInputs.build(batch, {"p": 5, "d": 1}, BLOCK_SIZE)
+    assert step.req_ids == ["p", "d"]
+    assert step.positions.tolist() == [0, 1, 2, 3, 4, 5]
+    assert step.input_ids.tolist() == [10, 11, 12, 13, 14, 25]
+    assert step.slot_mapping.tolist() == [28, 29, 30, 31, 12, 37]
+    assert step.query_start_loc.tolist() == [0, 5, 6]
+    assert step.seq_lens.tolist() == [5, 6]
+    assert step.block_tables.tolist() == [[7, 3], [2, 9]]
