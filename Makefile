@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # module if `python -m` put the working directory on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: test venv
+.PHONY: test venv serve
 
 # The venv is rebuilt whenever the pinned requirements change.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -20,3 +20,7 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The demo model is built into ~/.cache/kvpilot on first use by `serve` itself.
+serve: venv
+	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000

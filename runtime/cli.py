@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import re
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# Stdlib only: the engine's defaults and choices for `serve`, without torch.
+from kvpilot.runtime.config import DTYPES, SCHEDULING_POLICIES, EngineArgs
 
 # A handler gets the parsed args and its own subparser, so usage errors it finds late
 # (after parsing) still exit 2 with that subcommand's usage line.
@@ -13,7 +21,9 @@ Handler = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpilot", description="An LLM engine in the shape of vLLM V1.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands)
     _add_make_tiny_model(commands)
+    _add_operator(commands)
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     return handler(args, args.subparser)
@@ -23,6 +33,20 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {value}")
     return value
 
 
@@ -84,3 +108,174 @@ def _make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"argument {_TINY_MODEL_FLAGS[err.param]}: {err}")
     print(out)
     return 0
+
+
+def _namespace(text: str) -> str:
+    # Exact names only: the operator turns off kopf's namespace scanning (and the cluster-wide
+    # rights it needs), so patterns such as 'team-*' would match nothing.
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", text) or len(text) > 63:
+        raise argparse.ArgumentTypeError(f"must be a namespace name (a DNS-1123 label), got {text!r}")
+    return text
+
+
+def _add_operator(commands: argparse._SubParsersAction) -> None:
+    # Spelled out rather than imported from kvpilot.operator.run, which imports kopf: the other
+    # subcommands must not need it.
+    sub = commands.add_parser(
+        "operator",
+        help="run the Kubernetes operator that reconciles InferenceEngine resources",
+        description="Run the kopf operator for InferenceEngine resources (kvpilot.dev/v1alpha1).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    scope = sub.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace", "-n", dest="namespaces", metavar="NS", action="append", type=_namespace,
+        help="watch this namespace (repeat for more)",
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    sub.add_argument(
+        "--liveness-endpoint", metavar="URL", default="http://0.0.0.0:8080/healthz",
+        help="where to serve the liveness probe; empty to serve none",
+    )
+    sub.add_argument("--log-level", choices=("debug", "info", "warning"), default="info")
+    sub.add_argument("--log-format", choices=("full", "plain", "json"), default="full")
+    sub.set_defaults(handler=_operator, subparser=sub)
+
+
+def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # Imported per call: kopf loads only for this subcommand.
+    from kvpilot.operator.run import run_operator
+
+    run_operator(
+        namespaces=args.namespaces or [],
+        clusterwide=args.all_namespaces,
+        liveness_endpoint=args.liveness_endpoint or None,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    return 0
+
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+# The serve flags that are EngineArgs fields, under the same (vLLM) names.
+_ENGINE_FLAGS = (
+    "dtype", "seed", "block_size", "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
+    "scheduling_policy",
+)
+API_KEY_ENV = "KVPILOT_API_KEY"
+
+
+class _ServeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except absent ones (None, False), which the help text explains itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser(
+        "serve",
+        help="serve a model over the OpenAI-compatible HTTP API",
+        description="Serve MODEL_DIR (a Hugging Face folder) over the OpenAI-compatible HTTP API. "
+                    "Without MODEL_DIR, a tiny demo model is served (built on first use).",
+        formatter_class=_ServeHelpFormatter,
+    )
+    sub.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", help="model folder (default: the demo model)")
+    http = sub.add_argument_group("HTTP server")
+    http.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    http.add_argument("--port", type=_positive_int, default=8000, help="port to listen on")
+    http.add_argument("--served-model-name", metavar="NAME",
+                      help="the model name clients send (default: MODEL_DIR as given, or tiny-llama)")
+    http.add_argument("--api-key", metavar="KEY",
+                      help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV} if set)")
+    http.add_argument("--tenants-file", metavar="PATH", type=Path,
+                      help="tenants (YAML or JSON): API keys, priorities, limits; reloaded when it changes")
+    http.add_argument("--trust-tenant-header", action="store_true",
+                      help="let the X-Kvpilot-Tenant header name the tenant (behind a trusted gateway only)")
+    http.add_argument("--admin-token-file", metavar="PATH", type=Path,
+                      help="file holding the Bearer token for /admin/* (without it /admin/* is 404)")
+    http.add_argument("--shutdown-timeout", metavar="SECONDS", type=_non_negative_float, default=30.0,
+                      help="on SIGTERM, how long requests in flight may run before they are aborted")
+
+    engine = sub.add_argument_group("engine")
+    engine.add_argument("--tensor-parallel-size", metavar="N", type=_positive_int, default=1,
+                        help="tensor-parallel ranks (only 1 for now)")
+    engine.add_argument("--dtype", choices=DTYPES, default=_ENGINE_DEFAULTS["dtype"], help="weight and activation dtype")
+    engine.add_argument("--seed", metavar="N", type=int, default=_ENGINE_DEFAULTS["seed"], help="engine seed")
+    engine.add_argument("--block-size", metavar="N", type=_positive_int, default=_ENGINE_DEFAULTS["block_size"],
+                        help="tokens per KV-cache block")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=_ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV blocks of shared prefixes")
+    engine.add_argument("--num-gpu-blocks-override", metavar="N", type=_positive_int,
+                        help="KV-cache size in blocks (default: sized from --kv-cache-memory-bytes)")
+    engine.add_argument("--kv-cache-memory-bytes", metavar="N", type=_positive_int,
+                        default=_ENGINE_DEFAULTS["kv_cache_memory_bytes"], help="KV-cache memory budget")
+    engine.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=_ENGINE_DEFAULTS["max_num_seqs"],
+                        help="most requests in one step")
+    engine.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int,
+                        default=_ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens in one step")
+    engine.add_argument("--max-model-len", metavar="N", type=_positive_int,
+                        help="longest prompt + output (default: the model's max_position_embeddings)")
+    engine.add_argument("--long-prefill-token-threshold", metavar="N", type=_non_negative_int,
+                        default=_ENGINE_DEFAULTS["long_prefill_token_threshold"],
+                        help="largest prefill chunk per request and step; 0: no cap")
+    engine.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                        default=_ENGINE_DEFAULTS["scheduling_policy"], help="initial policy (switchable live via /admin)")
+    sub.set_defaults(handler=_serve, subparser=sub)
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.tensor_parallel_size != 1:
+        parser.error(f"argument --tensor-parallel-size: tensor parallelism is not implemented yet "
+                     f"(only 1 is supported), got {args.tensor_parallel_size}")
+    if args.trust_tenant_header and args.tenants_file is None:
+        parser.error("argument --trust-tenant-header: needs --tenants-file (the header names a tenant from it)")
+    # Imported per call: the server stack (and, through AsyncLLM, torch) loads only for `serve`.
+    from kvpilot.runtime.server.api_server import ServerConfig
+    from kvpilot.runtime.server.auth import AdminToken
+    from kvpilot.runtime.server.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+    from kvpilot.runtime.server.launcher import run_server
+    from kvpilot.runtime.server.tenants import TenantRegistry, TenantsFileError
+
+    # Everything a user can get wrong is checked before the (slow) engine starts.
+    tenants = admin_token = None
+    if args.tenants_file is not None:
+        try:
+            tenants = TenantRegistry(args.tenants_file)
+        except TenantsFileError as err:
+            parser.error(f"argument --tenants-file: {err}")
+    if args.admin_token_file is not None:
+        try:
+            admin_token = AdminToken(args.admin_token_file)
+        except (OSError, ValueError) as err:
+            parser.error(f"argument --admin-token-file: {err}")
+    if args.model_dir is None:
+        model_dir, default_name = str(ensure_demo_model()), DEMO_MODEL_NAME
+    else:
+        model_dir = default_name = args.model_dir
+    engine_args = EngineArgs(model=model_dir, **{name: getattr(args, name) for name in _ENGINE_FLAGS})
+    try:
+        engine_args.create_engine_config()
+    except ValueError as err:
+        parser.error(str(err))
+    config = ServerConfig(
+        served_model_name=args.served_model_name or default_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        tenants=tenants,
+        admin_token=admin_token,
+        trust_tenant_header=args.trust_tenant_header,
+    )
+    try:
+        return run_server(engine_args, config, host=args.host, port=args.port,
+                          shutdown_timeout=args.shutdown_timeout)
+    except RuntimeError as err:
+        # The engine failed to start; its own message says why.
+        print(f"kvpilot serve: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

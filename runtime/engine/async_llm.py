@@ -213,10 +213,9 @@ class AsyncLLM:
         poller.register(self._output, zmq.POLLIN)
         while time.monotonic() < deadline:
             events = dict(poller.poll(LIVENESS_POLL_MS))
-            if self._output in events:
+            if self._output in events or not self._process.is_alive():
                 # Before the handshake the engine only speaks to report its death.
-                message = msgspec.msgpack.decode(self._output.recv(), type=EngineCoreOutputs)
-                raise RuntimeError(f"the engine failed to start: {message.engine_dead}")
+                raise RuntimeError(f"the engine failed to start: {self._last_words()}")
             if self._input in events:
                 self._engine_identity, payload = self._input.recv_multipart()
                 ready = msgspec.msgpack.decode(payload, type=HandshakeReady)
@@ -224,8 +223,6 @@ class AsyncLLM:
                 self.block_size = ready.block_size
                 self.max_model_len = ready.max_model_len
                 return
-            if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited with code {self._process.exitcode} during startup")
         raise RuntimeError(f"the engine did not start within {timeout:.0f} s")
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -273,15 +270,20 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
         sink: asyncio.Queue = asyncio.Queue()
+        # Every child is built and encoded before any is sent: a failure leaves nothing behind.
+        children = []
         for index, engine_id in enumerate(engine_ids):
             child = params.for_choice(index)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include_stop_str_in_output)
-            self._choices[engine_id] = _Choice(request_id, engine_id, index, child, len(prompt_token_ids),
-                                               detokenizer, sink, tenant)
-            self._send(RequestType.ADD, EngineCoreRequest(
+            message = msgspec.msgpack.encode(EngineCoreRequest(
                 request_id=engine_id, prompt_token_ids=prompt_token_ids, sampling_params=child,
                 eos_token_id=self.eos_token_id, priority=priority, cache_salt=cache_salt,
             ))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include_stop_str_in_output)
+            choice = _Choice(request_id, engine_id, index, child, len(prompt_token_ids), detokenizer, sink, tenant)
+            children.append((choice, message))
+        for choice, message in children:
+            self._choices[choice.engine_id] = choice
+            self._send_encoded(RequestType.ADD, message)
         unfinished = set(engine_ids)
         try:
             while unfinished:
@@ -339,8 +341,17 @@ class AsyncLLM:
         self._stat_loggers.append(logger)
 
     def on_engine_dead(self, callback: Callable[[str], None]) -> None:
-        """Called once, on the event loop, with the reason, when the engine process dies."""
+        """Called once, on the event loop, with the reason, when the engine process dies.
+
+        The watch runs on the event loop this is registered from (or, if registered outside a
+        loop, the loop of the first request).
+        """
         self._dead_callbacks.append(callback)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._start_output_thread()
 
     @property
     def errored(self) -> bool:
@@ -353,7 +364,10 @@ class AsyncLLM:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _send(self, request_type: RequestType, message) -> None:
-        self._input.send_multipart([self._engine_identity, request_type.value, msgspec.msgpack.encode(message)])
+        self._send_encoded(request_type, msgspec.msgpack.encode(message))
+
+    def _send_encoded(self, request_type: RequestType, payload: bytes) -> None:
+        self._input.send_multipart([self._engine_identity, request_type.value, payload])
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:
@@ -372,14 +386,22 @@ class AsyncLLM:
         while not self._closed:
             if not self._output.poll(LIVENESS_POLL_MS):
                 if not self._process.is_alive() and not self._closed:
-                    reason = f"the engine process exited with code {self._process.exitcode}"
-                    self._loop.call_soon_threadsafe(self._engine_died, reason)
+                    self._loop.call_soon_threadsafe(self._engine_died, self._last_words())
                     return
                 continue
             message = decoder.decode(self._output.recv())
             self._loop.call_soon_threadsafe(self._process_outputs, message)
             if message.engine_dead is not None:
                 return
+
+    def _last_words(self) -> str:
+        """Why the engine died: its own report if it got one out, else its exit code."""
+        self._process.join(LIVENESS_POLL_MS / 1000)
+        while self._output.poll(LIVENESS_POLL_MS):
+            message = msgspec.msgpack.decode(self._output.recv(), type=EngineCoreOutputs)
+            if message.engine_dead is not None:
+                return message.engine_dead
+        return f"the engine process exited with code {self._process.exitcode}"
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
         now = time.monotonic()

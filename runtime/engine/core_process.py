@@ -13,12 +13,12 @@ import queue
 import signal
 import threading
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.engine.core import EngineCore
 from kvpilot.runtime.engine.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -30,6 +30,9 @@ from kvpilot.runtime.engine.messages import (
 )
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,10 @@ _DECODERS = {
 
 def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str) -> None:
     """Process entry point. Exits 0 on SHUTDOWN, 1 when the engine fails."""
-    # Ctrl-C in a terminal reaches the whole process group; the API server decides when we stop.
+    # Ctrl-C, or a SIGTERM sent to the whole process group, must not end the engine under the API
+    # server's graceful drain: the server decides when we stop (SHUTDOWN, or SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     context = zmq.Context()
     outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
@@ -55,6 +60,10 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     output_thread.start()
     exit_code = 0
     try:
+        # Imported here so that the API-server process, which only names this function as the
+        # spawn target, never loads torch.
+        from kvpilot.runtime.engine.core import EngineCore
+
         core = EngineCore(engine_args.create_engine_config())
         _EngineLoop(core, context, input_address, outputs).run()
     except BaseException as exc:  # noqa: BLE001 - whatever kills the engine is reported, then we exit

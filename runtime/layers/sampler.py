@@ -116,6 +116,8 @@ def _apply_top_k_top_p(
         mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
         top_p = top_p.unsqueeze(-1)
         drop = (mass_above >= top_p) & (top_p < 1.0)
+        # A top_p that rounds to 0 in float32 would otherwise drop the top token too.
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -67,11 +67,13 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": ")).response()
-    # loc is ("body", "messages", 0, "content", ...): the param is the path inside the body.
+    # loc is ("body", "messages", 0, "content", "str"): the param is the top-level field, the
+    # message names the whole path (with pydantic's union branch, such as "str", last).
     path = [str(part) for part in first["loc"] if part != "body"]
-    param = ".".join(path) or None
-    message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
-    return bad_request(message, param).response()
+    detail = first["msg"].removeprefix("Value error, ")
+    if not path:
+        return bad_request(f"request body: {detail}").response()
+    return bad_request(f"{'.'.join(path)}: {detail}", path[0]).response()
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

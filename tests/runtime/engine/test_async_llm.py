@@ -197,3 +197,11 @@ def test_engine_death_fails_requests_promptly(tiny_llama_dir):
 async def _drain(stream):
     async for _ in stream:
         pass
+
+
+def test_the_api_process_side_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, kvpilot.runtime.engine.async_llm; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode == 0

@@ -220,3 +220,13 @@ def test_edge_cases_stay_finite():
     assert sampled[4] == 7
     assert not out.logprobs.logprobs.isnan().any()
     assert math.isfinite(out.logprobs.logprobs[4, 0].item())
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_top_token():
+    logits = torch.tensor([[0.1, 2.0, 0.3, -1.0]])
+    metadata = SamplingMetadata(
+        temperature=torch.tensor([1.0]), top_k=None, top_p=torch.tensor([1e-300]), min_p=None,
+        generators={}, max_num_logprobs=None, all_greedy=False, all_random=True,
+    )
+    sampled = Sampler()(logits, metadata, torch.Generator().manual_seed(0)).sampled_token_ids
+    assert sampled.tolist() == [1]

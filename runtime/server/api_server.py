@@ -1,0 +1,153 @@
+"""The FastAPI app: OpenAI routes, utility routes, admin route, wired to one AsyncLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from kvpilot.runtime.server.admission import AdmissionMiddleware
+from kvpilot.runtime.server.auth import AdminToken, Authenticator
+from kvpilot.runtime.server.chat import chat_prompt_token_ids, create_chat_completion
+from kvpilot.runtime.server.chat_template import ChatTemplate
+from kvpilot.runtime.server.completions import create_completion
+from kvpilot.runtime.server.errors import APIError, bad_request, install_error_handlers
+from kvpilot.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvpilot.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SchedulingPolicyRequest,
+    TokenizeRequest,
+)
+from kvpilot.runtime.server.serving import Serving, engine_dead_error
+from kvpilot.runtime.server.state import ServerState
+from kvpilot.runtime.server.tenants import TenantRegistry
+
+logger = logging.getLogger(__name__)
+
+# A scrape refreshes the engine gauges first, but never waits long on a busy or stuck engine.
+STATS_REFRESH_TIMEOUT_S = 2.0
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    tenants: TenantRegistry | None = None
+    # None: /admin/* answers 404.
+    admin_token: AdminToken | None = None
+    trust_tenant_header: bool = False
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> FastAPI:
+    serving = Serving(engine, config.served_model_name, config.tenants)
+    template = ChatTemplate(engine.tokenizer_config)
+    metrics = ServerMetrics(config.served_model_name, engine.block_size, engine.num_kv_blocks,
+                            http_requests_in_flight=lambda: state.in_flight)
+    metrics.set_scheduling_policy(state.scheduling_policy)
+    engine.add_stat_logger(metrics)
+    engine.on_engine_dead(state.mark_dead)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # A first utility call starts AsyncLLM's output thread, which is also what notices an
+        # engine that dies while no request is running.
+        metrics.record_engine_stats(await engine.get_stats())
+        watcher = asyncio.create_task(config.tenants.watch()) if config.tenants is not None else None
+        yield
+        if watcher is not None:
+            watcher.cancel()
+
+    app = FastAPI(title="kvpilot", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    async def engine_dead(request: Request, err: EngineDeadError) -> JSONResponse:
+        return engine_dead_error(err).response()
+
+    app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_middleware(AdmissionMiddleware, state=state,
+                       authenticator=Authenticator(config.api_key, config.tenants, config.trust_tenant_header),
+                       tenants=config.tenants)
+    created = int(time.time())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, serving)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, serving, template)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": created, "owned_by": "kvpilot",
+            "root": engine.model_dir, "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        if body.prompt is not None:
+            tokens = engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            tokens = chat_prompt_token_ids(serving, template, body.messages,
+                                           add_generation_prompt=body.add_generation_prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise bad_request(f"token ids out of the vocabulary (size {engine.vocab_size}): {bad[:5]}", "tokens")
+        # Special tokens are kept: detokenize(tokenize(text)) shows exactly what the model sees.
+        return {"prompt": engine.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": state.status, "scheduling_policy": state.scheduling_policy}
+        if state.dead_reason is not None:
+            body["reason"] = state.dead_reason
+        return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
+
+    @app.get("/version")
+    async def server_version() -> dict:
+        try:
+            return {"version": version("kvpilot")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        with contextlib.suppress(EngineDeadError, TimeoutError):
+            metrics.record_engine_stats(await asyncio.wait_for(engine.get_stats(), STATS_REFRESH_TIMEOUT_S))
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/admin/scheduling")
+    async def set_scheduling_policy(request: Request) -> dict:
+        if config.admin_token is None:
+            raise APIError(404, "no admin token is configured (--admin-token-file)", code="not_found")
+        # The token is checked before the body is even parsed.
+        config.admin_token.check(request.headers)
+        try:
+            body = SchedulingPolicyRequest.model_validate_json(await request.body())
+        except ValidationError as err:
+            raise RequestValidationError(err.errors()) from err
+        await engine.set_scheduling_policy(body.policy)
+        state.scheduling_policy = body.policy
+        metrics.set_scheduling_policy(body.policy)
+        logger.info("scheduling policy set to %s", body.policy)
+        return {"scheduling_policy": body.policy}
+
+    return app

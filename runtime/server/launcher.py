@@ -1,0 +1,98 @@
+"""Run the API server: start the engine, serve HTTP with uvicorn, drain on SIGTERM, exit when the engine dies.
+
+Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the engine died (so Kubernetes restarts the pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.server.api_server import ServerConfig, build_app
+from kvpilot.runtime.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+# How long aborted requests get to send their 503, and then open connections to close.
+CONNECTION_CLOSE_GRACE_S = 1.0
+# A dead engine fails every in-flight request at once; this bounds the wait for those error
+# responses, and for requests still uploading their bodies, before the process exits.
+ENGINE_DEAD_GRACE_S = 3.0
+
+
+def run_server(engine_args: EngineArgs, config: ServerConfig, *, host: str, port: int,
+               shutdown_timeout: float) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(engine_args, config, host, port, shutdown_timeout))
+
+
+async def _serve(engine_args: EngineArgs, config: ServerConfig, host: str, port: int,
+                 shutdown_timeout: float) -> int:
+    engine = AsyncLLM(engine_args)
+    try:
+        state = ServerState(engine_args.scheduling_policy)
+        app = build_app(engine, config, state)
+        server = DrainingServer(
+            uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S),
+            state, shutdown_timeout,
+        )
+        engine.on_engine_dead(server.engine_died)
+        await server.serve()
+    finally:
+        engine.shutdown()
+    return 1 if state.dead_reason is not None else 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM/SIGINT drain before exiting.
+
+    While draining, /health and new requests answer 503 and the requests in flight run to their
+    end, for up to `shutdown_timeout` seconds; what is left then is cancelled (which aborts it in
+    the engine). A second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._exit_tasks: set[asyncio.Task] = set()
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Called by signal.signal between two bytecodes of the loop's thread: hand over to the loop.
+        self._loop.call_soon_threadsafe(self._on_signal, signal.Signals(sig).name)
+
+    def _on_signal(self, name: str) -> None:
+        if self.state.draining:
+            logger.warning("%s again: exiting without waiting for %d request(s)", name, self.state.in_flight)
+            self.force_exit = self.should_exit = True
+            return
+        logger.info("%s: draining %d request(s) in flight (at most %.0f s)", name, self.state.in_flight,
+                    self.shutdown_timeout)
+        self.state.draining = True
+        self._exit_when_idle(self.shutdown_timeout)
+
+    def engine_died(self, reason: str) -> None:
+        logger.error("the engine died (%s): exiting", reason)
+        self._exit_when_idle(min(self.shutdown_timeout, ENGINE_DEAD_GRACE_S))
+
+    def _exit_when_idle(self, timeout: float) -> None:
+        task = asyncio.ensure_future(self._wait_then_exit(timeout))
+        self._exit_tasks.add(task)
+        task.add_done_callback(self._exit_tasks.discard)
+
+    async def _wait_then_exit(self, timeout: float) -> None:
+        if not await self.state.wait_idle(timeout):
+            logger.warning("%d request(s) still in flight after %g s: aborting them", self.state.in_flight, timeout)
+            self.state.abort_in_flight()
+            await self.state.wait_idle(CONNECTION_CLOSE_GRACE_S)
+        self.should_exit = True

@@ -1,0 +1,291 @@
+"""The OpenAI (and vLLM-extension) request and response bodies, as pydantic models.
+
+Unknown request fields are ignored, as OpenAI's API and vLLM do. Range checks that need a
+second field or the model (min_tokens <= max_tokens, prompt + max_tokens <= max_model_len) are
+made later, in `serving.py`, where the numbers are known.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
+
+from kvpilot.runtime.config import SCHEDULING_POLICIES
+
+# vLLM's cap on logprobs; the engine enforces it too.
+MAX_LOGPROBS = 20
+# More choices than this per request is a mistake or an abuse, never a use case.
+MAX_N = 128
+# Integers cross to the engine as 64-bit (msgpack, torch); anything larger is refused here.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    # 0 or -1 disable top-k, as in vLLM.
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
+    min_p: float = Field(0.0, ge=0, le=1)
+    # The n choices get seeds seed + i, which stay within a torch generator's (unsigned) 64 bits.
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Engine priority: lower runs first (vLLM). A tenant's priority replaces it unless the tenant
+    # allows request priorities.
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    # Prefix-cache isolation; combined with (never replacing) the tenant's own salt.
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop is not None and "" in ([stop] if isinstance(stop, str) else stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, ids: list[int]) -> list[int]:
+        if any(t < 0 for t in ids):
+            raise ValueError("token ids must be non-negative")
+        return ids
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    # One prompt per request: a string or token ids (a one-element batch is unwrapped).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's legacy default; null asks for whatever room the context has left (vLLM).
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"batches of prompts are not supported: send one prompt per request "
+                                 f"(got {len(prompt)})")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and any(t < 0 for t in prompt):
+            raise ValueError("token ids must be non-negative")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # max_completion_tokens is OpenAI's current name; max_tokens its deprecated one. Absent both,
+    # the completion may use what is left of the context (vLLM).
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat-template controls.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message requires add_generation_prompt to be false")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """What the engine is asked for: the sampled token's logprob plus top_logprobs others."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class SchedulingPolicyRequest(BaseModel):
+    policy: str
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        return policy
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    # vLLM's extension: the stop token id or stop string that ended the choice.
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict:
+        # A delta carries only what changed: `{}` on the closing chunk, not nulls.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

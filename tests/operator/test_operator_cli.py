@@ -1,0 +1,94 @@
+"""`kvpilot operator`: its flags, and the command itself running against the emulated API server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvpilot.runtime import cli
+from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, run
+
+KVPILOT = Path(sys.executable).parent / "kvpilot"
+
+
+def test_a_namespace_scope_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["operator"])
+    assert exit_info.value.code == 2
+    assert "one of the arguments --namespace/-n --all-namespaces/-A is required" in capsys.readouterr().err
+
+
+def test_namespace_patterns_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["operator", "--namespace", "team-*"])
+    assert exit_info.value.code == 2
+    assert "must be a namespace name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["-n", "ml", "--namespace", "serving"],
+     {"namespaces": ["ml", "serving"], "clusterwide": False, "liveness_endpoint": "http://0.0.0.0:8080/healthz",
+      "log_level": "info", "log_format": "full"}),
+    (["--all-namespaces", "--liveness-endpoint", "", "--log-level", "debug", "--log-format", "json"],
+     {"namespaces": [], "clusterwide": True, "liveness_endpoint": None, "log_level": "debug", "log_format": "json"}),
+])
+def test_flags_reach_the_operator(monkeypatch: pytest.MonkeyPatch, argv: list[str], expected: dict[str, Any]) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr("kvpilot.operator.run.run_operator", lambda **kwargs: calls.append(kwargs))
+    assert cli.main(["operator", *argv]) == 0
+    assert calls == [expected]
+
+
+def test_the_operator_never_imports_torch() -> None:
+    code = "import sys, kvpilot.operator.run, kvpilot.runtime.cli; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_the_command_reconciles_and_serves_liveness(tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "operator.log"
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k:
+            with log.open("wb") as output:
+                process = await asyncio.create_subprocess_exec(
+                    str(KVPILOT), "operator", "--namespace", "ml",
+                    "--liveness-endpoint", f"http://127.0.0.1:{port}/healthz",
+                    env={**os.environ, "PYTHONSAFEPATH": "1"},
+                    stdout=output, stderr=output,
+                )
+            try:
+                await eventually(lambda: _healthy(port), "the liveness endpoint", timeout=30)
+                await created(k)
+            finally:
+                if process.returncode is None:
+                    process.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(process.wait(), WAIT_TIMEOUT)
+            assert process.returncode == 0, log.read_text()[-2000:]
+
+    run(scenario())
+
+
+async def _healthy(port: int) -> bool:
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as response:
+                return response.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

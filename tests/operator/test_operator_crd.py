@@ -1,0 +1,238 @@
+"""The CRD file: a structural schema that accepts the example and rejects bad specs with a clear message."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import celpy
+import kubernetes_validate
+import pytest
+import yaml
+
+from crd_validation import REPO, engine_schema, errors, load_crd, schema_nodes, with_defaults
+from kvpilot.operator import render
+
+EXAMPLE = REPO / "examples" / "engine.yaml"
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def test_crd_is_a_valid_custom_resource_definition() -> None:
+    kubernetes_validate.validate(load_crd(), "1.30", strict=True)
+
+
+def test_crd_names_and_scope() -> None:
+    spec = load_crd()["spec"]
+    assert spec["group"] == "kvpilot.dev"
+    assert spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "InferenceEngine"
+    assert spec["names"]["plural"] == "inferenceengines"
+    assert spec["names"]["shortNames"] == ["ie"]
+    assert [v["name"] for v in spec["versions"]] == ["v1alpha1"]
+
+
+def test_every_schema_node_has_a_type() -> None:
+    schema = engine_schema()
+    assert schema["type"] == "object"
+    untyped = [
+        path for path, node in schema_nodes(schema)
+        if "type" not in node and not node.get("x-kubernetes-int-or-string")
+    ]
+    assert untyped == []
+
+
+def test_int_or_string_nodes_are_structural() -> None:
+    nodes = [node for _, node in schema_nodes(engine_schema()) if node.get("x-kubernetes-int-or-string")]
+    assert nodes, "the resources quantities are int-or-string"
+    for node in nodes:
+        assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}]
+
+
+def test_schema_carries_every_design_field() -> None:
+    spec = engine_schema()["properties"]["spec"]["properties"]
+    assert set(spec) >= {
+        "model", "image", "replicas", "resources", "podTemplate", "parallelism", "engine",
+        "scheduling", "autoscaling", "service",
+    }
+    assert set(spec["model"]["properties"]) == {"name", "pvc", "hostPath", "huggingFace"}
+    assert set(spec["model"]["properties"]["pvc"]["properties"]) == {"claimName", "subPath"}
+    assert set(spec["model"]["properties"]["huggingFace"]["properties"]) == {"repo", "revision", "tokenSecretRef"}
+    assert set(spec["podTemplate"]["properties"]) == {
+        "nodeSelector", "tolerations", "affinity", "priorityClassName", "annotations",
+    }
+    assert set(spec["engine"]["properties"]) >= {
+        "maxNumSeqs", "maxNumBatchedTokens", "maxModelLen", "blockSize", "enablePrefixCaching",
+        "gpuMemoryUtilization", "extraArgs",
+    }
+    assert spec["scheduling"]["properties"]["policy"]["enum"] == ["fcfs", "priority", "auto"]
+    assert set(spec["scheduling"]["properties"]["tenants"]["items"]["properties"]) >= {
+        "name", "priority", "apiKeySecretRef", "maxConcurrentRequests",
+    }
+    assert set(spec["autoscaling"]["properties"]) == {
+        "enabled", "minReplicas", "maxReplicas", "targetKVCacheUsage", "targetQueueDepth", "prometheus",
+        "intervalSeconds", "scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds",
+    }
+    assert set(spec["service"]["properties"]) == {"type", "port"}
+
+    status = engine_schema()["properties"]["status"]["properties"]
+    assert set(status) == {
+        "phase", "observedGeneration", "replicas", "readyReplicas", "desiredReplicas", "selector",
+        "endpoint", "effectiveSchedulingPolicy", "metrics", "lastScaleTime", "conditions",
+    }
+    assert set(status["metrics"]["properties"]) == {"kvCacheUsage", "queueDepth", "observedAt"}
+    assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+    condition = status["conditions"]["items"]
+    assert set(condition["properties"]) == {
+        "type", "status", "observedGeneration", "reason", "message", "lastTransitionTime",
+    }
+
+
+def test_design_defaults() -> None:
+    spec = with_defaults({"spec": {}})["spec"]
+    assert spec["replicas"] == 1
+    assert spec["parallelism"] == {"tensor": 1}
+    assert spec["scheduling"] == {"policy": "fcfs"}
+    assert spec["service"] == {"type": "ClusterIP", "port": 8000}
+    assert spec["autoscaling"] == {
+        "enabled": False, "minReplicas": 1, "targetKVCacheUsage": 0.8, "targetQueueDepth": 5,
+        "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300,
+    }
+    assert spec["engine"] == {"blockSize": 16, "enablePrefixCaching": True, "shutdownTimeoutSeconds": 30}
+
+
+def test_every_default_is_valid_for_its_own_node() -> None:
+    for path, node in schema_nodes(engine_schema()):
+        if "default" in node:
+            defaulted = with_defaults(node["default"], node)
+            assert errors(defaulted, node) == [], path
+
+
+def test_subresources_and_printer_columns() -> None:
+    (version,) = load_crd()["spec"]["versions"]
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0}
+    assert list(columns) == ["Model", "TP", "Ready", "Desired", "Policy", "KV%", "Age"]
+    assert columns == {
+        "Model": ".spec.model.name",
+        "TP": ".spec.parallelism.tensor",
+        "Ready": ".status.readyReplicas",
+        "Desired": ".status.desiredReplicas",
+        "Policy": ".status.effectiveSchedulingPolicy",
+        "KV%": ".status.metrics.kvCacheUsage",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def test_every_cel_rule_compiles() -> None:
+    rules = [rule["rule"] for _, node in [("", engine_schema()), *schema_nodes(engine_schema())]
+             for rule in node.get("x-kubernetes-validations", [])]
+    assert len(rules) >= 7
+    environment = celpy.Environment()
+    for rule in rules:
+        environment.compile(rule)
+
+
+def test_example_is_accepted() -> None:
+    assert errors(with_defaults(example())) == []
+
+
+def test_example_sets_a_complete_engine() -> None:
+    spec = example()["spec"]
+    assert {"model", "image", "replicas", "parallelism", "resources", "engine", "scheduling", "service"} <= set(spec)
+    assert "# " in EXAMPLE.read_text(), "the example explains itself"
+
+
+def _invalid(change: str) -> dict[str, Any]:
+    engine = copy.deepcopy(example())
+    spec = engine["spec"]
+    if change == "two sources":
+        spec["model"]["pvc"] = {"claimName": "models"}
+    elif change == "min > max":
+        spec["autoscaling"] = {"minReplicas": 3, "maxReplicas": 2}
+    elif change == "TP 3":
+        spec["parallelism"]["tensor"] = 3
+    elif change == "duplicate tenant":
+        spec["scheduling"]["tenants"] = [{"name": "team-a"}, {"name": "team-a", "priority": 5}]
+    elif change == "negative port":
+        spec["service"]["port"] = -1
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("two sources", r"spec\.model: exactly one model source must be set"),
+        ("min > max", r"spec\.autoscaling: autoscaling\.minReplicas must not exceed autoscaling\.maxReplicas"),
+        ("TP 3", r"spec\.parallelism\.tensor: parallelism\.tensor must be 1, 2, 4 or 8"),
+        ("duplicate tenant", r"spec\.scheduling\.tenants: tenant names must be unique"),
+        ("negative port", r"spec\.service\.port: -1 is less than the minimum of 1"),
+    ],
+)
+def test_invalid_specs_are_rejected_with_a_clear_message(change: str, expected: str) -> None:
+    found = errors(with_defaults(_invalid(change)))
+    assert len(found) == 1, found
+    assert re.fullmatch(expected + ".*", found[0]), found
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"model": {"name": "m"}}, "exactly one model source must be set"),
+        ({"autoscaling": {"enabled": True}}, "autoscaling.maxReplicas is required"),
+        ({"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}},
+         "spec.replicas must lie within"),
+        ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "maxNumBatchedTokens must be at least"),
+        ({"engine": {"extraArgs": ["--port=9000"]}}, "extraArgs must not repeat a flag"),
+        ({"engine": {"extraArgs": ["--no-enable-prefix-caching"]}}, "extraArgs must not repeat a flag"),
+        ({"engine": {"blockSize": 12}}, "12 is not one of"),
+        ({"scheduling": {"policy": "random"}}, "'random' is not one of"),
+        ({"model": {"name": "m", "hostPath": "relative/dir"}}, "does not match"),
+        ({"replicas": 1, "unknownField": True}, "unknown field"),
+    ],
+)
+def test_more_bad_input_is_rejected(change: dict[str, Any], expected: str) -> None:
+    engine = example()
+    engine["spec"].update(change)
+    found = errors(with_defaults(engine))
+    assert any(expected in message for message in found), found
+
+
+def test_long_or_odd_names_are_rejected() -> None:
+    for name in ("a" * 53, "1engine", "my.engine"):
+        engine = example()
+        engine["metadata"]["name"] = name
+        assert any("DNS-1035 label" in m for m in errors(with_defaults(engine))), name
+
+
+def test_extra_args_rule_forbids_exactly_the_rendered_flags() -> None:
+    """The CEL rule's list and the renderer's flags must not drift apart."""
+    (pattern,) = re.findall(r"matches\('(.*?)'\)", _extra_args_rule())
+    engine = with_defaults({
+        "metadata": {"name": "e", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": {
+            "model": {"name": "m", "pvc": {"claimName": "c"}}, "image": "i",
+            "engine": {"maxNumSeqs": 1, "maxNumBatchedTokens": 1, "maxModelLen": 1, "gpuMemoryUtilization": 0.5},
+        },
+    })
+    rendered = {arg for arg in render.serve_args(engine) if arg.startswith("--")}
+    owned = {"--no-enable-prefix-caching", "--admin-token-file", "--api-key", "--model"}
+    assert all(re.fullmatch(pattern, flag) for flag in rendered | owned)
+    for unowned in ("--seed", "--dtype", "--enable-chunked-prefill", "--portable"):
+        assert not re.fullmatch(pattern, unowned), unowned
+
+
+def _extra_args_rule() -> str:
+    node = engine_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]
+    (rule,) = node["x-kubernetes-validations"]
+    return rule["rule"]

@@ -1,0 +1,70 @@
+"""What the operator renders is what the engine accepts: its `kvpilot serve` flags and its tenants file."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inference_engines import BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
+from kvpilot.operator import render
+from kvpilot.runtime import cli
+
+
+def parsed_serve_args(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> argparse.Namespace:
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "_serve", lambda parsed, parser: seen.append(parsed) or 0)
+    assert cli.main(["serve", *args]) == 0
+    (parsed,) = seen
+    return parsed
+
+
+def test_the_engine_accepts_the_rendered_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec: dict[str, Any] = {**FULL_SPEC, "engine": {**FULL_SPEC["engine"]}}
+    del spec["engine"]["gpuMemoryUtilization"]
+    parsed = parsed_serve_args(monkeypatch, render.serve_args(engine(spec)))
+    assert parsed.model_dir == "/var/lib/kvpilot/model"
+    assert parsed.served_model_name == "llama-3-8b"
+    assert (parsed.host, parsed.port) == ("0.0.0.0", 8000)
+    assert parsed.tensor_parallel_size == 2
+    assert (parsed.max_num_seqs, parsed.max_num_batched_tokens, parsed.max_model_len) == (128, 8192, 8192)
+    assert parsed.enable_prefix_caching is False
+    assert parsed.scheduling_policy == "priority"
+    assert parsed.shutdown_timeout == 30
+    assert parsed.tenants_file == Path("/etc/kvpilot/tenants.yaml")
+    assert parsed.seed == 7
+
+
+def test_the_engine_accepts_the_examples_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed_serve_args(monkeypatch, render.serve_args(example()))
+
+
+@pytest.mark.xfail(strict=True, raises=SystemExit,
+                   reason="the engine has no --gpu-memory-utilization yet (DESIGN: engine.gpuMemoryUtilization)")
+def test_the_engine_accepts_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed_serve_args(monkeypatch, render.serve_args(engine()))
+
+
+def test_the_engine_reads_the_rendered_tenants_file(tmp_path: Path) -> None:
+    tenants = pytest.importorskip("kvpilot.runtime.server.tenants")
+    rendered = {c["kind"]: c for c in render.children(engine(), tenant_keys=TENANT_KEYS, service_monitor=False)}
+    # Lay out the two volumes as the kubelet would, under tmp_path instead of /.
+    keys_dir = tmp_path / render.TENANT_KEYS_DIR.lstrip("/")
+    keys_dir.mkdir(parents=True)
+    for name, value in rendered["Secret"]["data"].items():
+        (keys_dir / name).write_bytes(base64.b64decode(value))
+    text = rendered["ConfigMap"]["data"]["tenants.yaml"].replace(render.TENANT_KEYS_DIR, str(keys_dir))
+    path = tmp_path / "tenants.yaml"
+
+    config = tenants.parse_tenants(text, path)
+    by_name = {t.name: t for t in config.tenants}
+    assert by_name["prod"].api_keys == (PROD_KEY,)
+    assert by_name["batch"].api_keys == (BATCH_KEY,)
+    # CRD priority 100 (more important) runs before CRD priority -10 in the engine's lower-first order.
+    assert by_name["prod"].priority < by_name["batch"].priority
+    assert by_name["prod"].max_concurrent_requests == 32
+    assert by_name["batch"].allow_request_priority is True
+    assert set(config.files) == {path, keys_dir / "prod", keys_dir / "batch"}

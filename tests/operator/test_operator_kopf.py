@@ -1,0 +1,244 @@
+"""The real kopf operator reconciling InferenceEngines against an emulated API server."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import handlers
+from operator_harness import (
+    CHILD_NAMES, CHILDREN, NAMESPACE, SPEC, Cluster, child, cluster, condition, created, eventually, key,
+    operator, phase_is, run, tenants_file,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+def progress_message(k: Cluster) -> str:
+    return condition(k.engine("qwen"), "Progressing").get("message", "")
+
+
+def test_create_renders_every_child_with_an_owner_reference(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, service_monitors=True) as k, operator():
+            await created(k)
+            for kind in CHILDREN:
+                obj = await eventually(lambda kind=kind: child(k, kind), kind)
+                assert obj["metadata"]["ownerReferences"] == [{
+                    "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceEngine", "name": "qwen",
+                    "uid": k.engine("qwen")["metadata"]["uid"], "controller": True,
+                }], kind
+            engine = k.engine("qwen")
+            assert not engine["metadata"].get("finalizers"), "deletion relies on ownerReferences alone"
+            assert child(k, "Secret")["data"] == {"prod": key("sk-prod")}
+            assert tenants_file(k)[0]["apiKeyFiles"] == ["/var/run/kvpilot/tenant-keys/prod"]
+            await eventually(lambda: len(k.events("Created")) == len(CHILDREN), "a Created event per child")
+            messages = sorted(e["message"] for e in k.events("Created"))
+            assert messages == sorted(f"Created {kind} {CHILD_NAMES.get(kind, 'qwen')}" for kind in CHILDREN)
+            assert all(e["involvedObject"]["name"] == "qwen" for e in k.events("Created"))
+            status = await eventually(lambda: k.engine("qwen").get("status"), "a status")
+            assert status["phase"] == "Pending"
+            assert status["endpoint"] == f"http://qwen.{NAMESPACE}.svc:8000"
+
+    run(scenario())
+
+
+def test_no_service_monitor_without_its_api(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await created(k)
+            await eventually(lambda: child(k, "PodDisruptionBudget"), "the PDB")
+            assert not [key for key in k.server.objects if key[0] == CHILDREN["ServiceMonitor"]]
+
+    run(scenario())
+
+
+def test_status_follows_the_rollout_of_each_generation(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            first = await created(k)
+
+            # A spec change that touches the pods updates the Deployment's template.
+            await k.update_engine("qwen", lambda spec: spec.update(image="ghcr.io/kvpilot/kvpilot:0.2.0"))
+            updated = await eventually(
+                lambda: (d := k.deployment("qwen"))["metadata"]["generation"] > first["metadata"]["generation"] and d,
+                "the Deployment to take the new template",
+            )
+            assert updated["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/kvpilot/kvpilot:0.2.0"
+            await eventually(lambda: [e for e in k.events("Updated") if e["message"] == "Updated Deployment qwen"],
+                             "an Updated event for the Deployment")
+
+            # Its controller reports the rollout done: the engine is Ready for generation 2.
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 2), "Ready at generation 2")
+            engine = k.engine("qwen")
+            assert engine["metadata"]["generation"] == 2
+            assert condition(engine, "Ready")["status"] == "True"
+            assert condition(engine, "Ready")["observedGeneration"] == 2
+            assert (engine["status"]["readyReplicas"], engine["status"]["desiredReplicas"]) == (2, 2)
+
+            # Another spec change: Progressing, and still Progressing part-way through the rollout ...
+            await k.update_engine("qwen", lambda spec: spec["engine"].update(maxNumSeqs=32))
+            await eventually(lambda: phase_is(k, "Progressing", 3), "Progressing at generation 3")
+            assert condition(k.engine("qwen"), "Ready")["status"] == "False"
+            await k.roll_out("qwen", updated=1, available=1)
+            await eventually(lambda: "1/2 replicas run the current pod template" in progress_message(k),
+                             "the half-done rollout in the status")
+            assert phase_is(k, "Progressing", 3)
+            await k.roll_out("qwen", updated=2, available=1)
+            await eventually(lambda: "1/2 updated replicas are available" in progress_message(k),
+                             "the not-yet-available replica in the status")
+            assert phase_is(k, "Progressing", 3)
+
+            # ... until the Deployment reports the new generation available.
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 3), "Ready at generation 3")
+            assert condition(k.engine("qwen"), "Progressing")["status"] == "False"
+
+    run(scenario())
+
+
+def test_tenant_changes_reach_the_config_without_touching_the_pods(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            before = await created(k)
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 1), "Ready")
+            await k.create_secret("batch-key", {"token": key("sk-batch")})
+
+            def add_tenant(spec: dict[str, Any]) -> None:
+                spec["scheduling"]["tenants"][0]["priority"] = 50
+                spec["scheduling"]["tenants"].append(
+                    {"name": "batch", "priority": -5, "apiKeySecretRef": {"name": "batch-key", "key": "token"}}
+                )
+
+            await k.update_engine("qwen", add_tenant)
+            await eventually(lambda: len(tenants_file(k)) == 2, "the new tenant in the tenants file")
+            assert [(t["name"], t["priority"]) for t in tenants_file(k)] == [("prod", -50), ("batch", 5)]
+            # The keys are applied before the tenants file that names them.
+            assert child(k, "Secret")["data"] == {"prod": key("sk-prod"), "batch": key("sk-batch")}
+            await eventually(lambda: phase_is(k, "Ready", 2), "Ready at generation 2, with no rollout")
+            after = k.deployment("qwen")
+            assert after["spec"]["template"] == before["spec"]["template"]
+            assert after["metadata"]["generation"] == before["metadata"]["generation"]
+
+    run(scenario())
+
+
+def test_reconcile_is_idempotent(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, service_monitors=True) as k:
+            async with operator():
+                await created(k)
+                await eventually(lambda: child(k, "ServiceMonitor"), "the last child")
+                await eventually(lambda: k.engine("qwen").get("status"), "a status")
+            versions = {kind: child(k, kind)["metadata"]["resourceVersion"] for kind in CHILDREN}
+            engine_version = k.engine("qwen")["metadata"]["resourceVersion"]
+            applies = len(_applies(k))
+            events = len(k.events())
+
+            # A restarted operator resumes the engine and applies every child again: nothing changes.
+            async with operator():
+                await eventually(lambda: len(_applies(k)) >= applies + len(CHILDREN), "the resumed reconcile")
+                await eventually(lambda: len(_status_reads(k)) >= 1, "the resumed status check")
+            assert {kind: child(k, kind)["metadata"]["resourceVersion"] for kind in CHILDREN} == versions
+            assert k.engine("qwen")["metadata"]["resourceVersion"] == engine_version
+            assert len(k.events()) == events, "no Created or Updated events for a no-op"
+
+    run(scenario())
+
+
+def _applies(k: Cluster) -> list[Any]:
+    return [r for r in k.server if r.method == "PATCH" and "fieldManager=kvpilot-operator" in r.url.query_string]
+
+
+def _status_reads(k: Cluster) -> list[Any]:
+    # The resume handler's status check GETs nothing; the Deployment follower GETs the engine.
+    return [r for r in k.server if r.method == "GET" and r.url.path.endswith("/inferenceengines/qwen")]
+
+
+def test_a_missing_tenant_secret_warns_and_is_picked_up_when_it_appears(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await k.create_engine("qwen", SPEC)
+            await eventually(lambda: k.deployment("qwen"), "the Deployment, keys or not")
+            await eventually(lambda: k.events("TenantKeyMissing"), "a warning about the missing key")
+            warning = k.events("TenantKeyMissing")[0]
+            assert warning["type"] == "Warning"
+            assert warning["message"] == "tenant prod: Secret prod-key does not exist"
+            assert tenants_file(k)[0]["apiKeyFiles"] == []
+
+            await k.create_secret("prod-key", {"api-key": key("sk-prod")})
+            await eventually(lambda: (child(k, "Secret") or {}).get("data") == {"prod": key("sk-prod")},
+                             "the key, on a retry")
+            await eventually(lambda: tenants_file(k)[0]["apiKeyFiles"] == ["/var/run/kvpilot/tenant-keys/prod"],
+                             "the key file in the tenants file")
+
+    run(scenario())
+
+
+def test_api_errors_are_reported_and_retried(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            k.server.fail_next("PATCH", "deployments", 503)
+            await created(k)
+            failures = await eventually(lambda: k.events("ReconcileFailed"), "a warning about the failure")
+            assert len(failures) == 1 and failures[0]["type"] == "Warning"
+            assert "503" in failures[0]["message"]
+
+    run(scenario())
+
+
+def test_a_rejected_child_fails_the_generation_until_the_spec_changes(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            k.server.fail_next("PATCH", "deployments", 422)
+            await k.create_secret("prod-key", {"api-key": key("sk-prod")})
+            await k.create_engine("qwen", SPEC)
+            await eventually(lambda: phase_is(k, "Failed", 1), "Failed at generation 1")
+            assert condition(k.engine("qwen"), "Ready")["reason"] == "ReconcileFailed"
+            assert "422" in condition(k.engine("qwen"), "Ready")["message"]
+            assert k.deployment("qwen") is None
+
+            await k.update_engine("qwen", lambda spec: spec.update(replicas=1))
+            await eventually(lambda: k.deployment("qwen"), "the Deployment, for generation 2")
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 2), "Ready at generation 2")
+
+    run(scenario())
+
+
+def test_a_deleted_deployment_is_recreated(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            first = await created(k)
+            await k.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/qwen")
+            again = await eventually(
+                lambda: (d := k.deployment("qwen")) and d["metadata"]["uid"] != first["metadata"]["uid"] and d,
+                "a new Deployment",
+            )
+            assert again["spec"] == first["spec"]
+
+    run(scenario())
+
+
+def test_other_engines_and_foreign_deployments_are_left_alone(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            other = copy.deepcopy(SPEC)
+            other["scheduling"] = {}
+            await k.create_engine("other", other)
+            await created(k)
+            await eventually(lambda: k.deployment("other"), "the other engine's Deployment")
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 1), "Ready")
+            assert k.engine("other")["status"]["phase"] == "Pending"
+
+    run(scenario())
+
+
+def test_retry_delays_double_up_to_a_cap() -> None:
+    assert [handlers.retry_delay(retry) for retry in range(4)] == [1, 2, 4, 8]
+    assert handlers.retry_delay(30) == handlers.RETRY_MAX_SECONDS == 300

@@ -1,0 +1,164 @@
+"""Status: the child Deployment -> phase, conditions and counts, never Ready too early."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+from inference_engines import engine
+from kvpilot.operator import status
+
+T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+T1 = T0 + datetime.timedelta(minutes=5)
+
+
+def deployment(
+    *,
+    rendered: int = 3,
+    generation: int = 7,
+    observed: int | None = 7,
+    replicas: int = 2,
+    total: int = 2,
+    updated: int = 2,
+    ready: int = 2,
+    available: int = 2,
+    progress_reason: str = "NewReplicaSetAvailable",
+    progress_status: str = "True",
+) -> dict[str, Any]:
+    rollout: dict[str, Any] = {
+        "replicas": total, "updatedReplicas": updated, "readyReplicas": ready, "availableReplicas": available,
+        "conditions": [{"type": "Progressing", "status": progress_status, "reason": progress_reason,
+                        "message": "progress message"}],
+    }
+    if observed is not None:
+        rollout["observedGeneration"] = observed
+    return {
+        "metadata": {"name": "llama", "namespace": "ml", "generation": generation,
+                     "annotations": {"kvpilot.dev/generation": str(rendered)}},
+        "spec": {"replicas": replicas},
+        "status": rollout,
+    }
+
+
+def condition(found: dict[str, Any], kind: str) -> dict[str, Any]:
+    (match,) = [c for c in found["conditions"] if c["type"] == kind]
+    return match
+
+
+def test_ready_when_the_current_template_is_fully_available() -> None:
+    found = status.derive(engine(), deployment(), now=T0)
+    assert found["phase"] == "Ready"
+    assert found["observedGeneration"] == 3
+    assert (found["replicas"], found["readyReplicas"], found["desiredReplicas"]) == (2, 2, 2)
+    assert found["selector"] == (
+        "app.kubernetes.io/component=engine,app.kubernetes.io/instance=llama,app.kubernetes.io/name=kvpilot"
+    )
+    assert found["endpoint"] == "http://llama.ml.svc:80"
+    assert found["effectiveSchedulingPolicy"] == "priority"
+    assert condition(found, "Ready") == {
+        "type": "Ready", "status": "True", "reason": "Available", "message": "2/2 replicas are available",
+        "observedGeneration": 3, "lastTransitionTime": "2026-01-01T12:00:00Z",
+    }
+    assert condition(found, "Progressing")["status"] == "False"
+
+
+@pytest.mark.parametrize(("rollout", "reason"), [
+    ({"rendered": 2}, "Reconciling"),  # the Deployment still holds an older spec
+    ({"observed": 6}, "RolloutPending"),  # its controller has not seen the new template
+    ({"updated": 1, "available": 1, "ready": 1}, "RollingOut"),  # one pod still runs the old template
+    ({"total": 3}, "RollingOut"),  # an old pod is still terminating
+    ({"available": 1, "ready": 1, "progress_reason": "ReplicaSetUpdated"}, "RollingOut"),  # new pod not up yet
+])
+def test_progressing_while_the_rollout_is_not_done(rollout: dict[str, Any], reason: str) -> None:
+    found = status.derive(engine(), deployment(**rollout), now=T0)
+    assert found["phase"] == "Progressing"
+    assert condition(found, "Ready")["status"] == "False"
+    assert condition(found, "Progressing") | {"message": ""} == {
+        "type": "Progressing", "status": "True", "reason": reason, "message": "",
+        "observedGeneration": rollout.get("rendered", 3), "lastTransitionTime": "2026-01-01T12:00:00Z",
+    }
+
+
+def test_pending_before_the_deployment_controller_acts() -> None:
+    found = status.derive(engine(), deployment(observed=None), now=T0)
+    assert found["phase"] == "Pending"
+    assert condition(found, "Ready")["reason"] == "DeploymentPending"
+
+
+def test_degraded_when_a_finished_rollout_loses_a_replica() -> None:
+    found = status.derive(engine(), deployment(available=1, ready=1), now=T0)
+    assert found["phase"] == "Degraded"
+    assert condition(found, "Ready")["status"] == "False"
+    assert condition(found, "Ready")["reason"] == "ReplicasUnavailable"
+    assert condition(found, "Progressing")["status"] == "False"
+
+
+def test_failed_when_the_rollout_exceeds_its_deadline() -> None:
+    found = status.derive(
+        engine(), deployment(updated=1, progress_reason="ProgressDeadlineExceeded", progress_status="False"), now=T0
+    )
+    assert found["phase"] == "Failed"
+    assert condition(found, "Ready")["reason"] == "ProgressDeadlineExceeded"
+    assert condition(found, "Ready")["message"] == "progress message"
+
+
+def test_scaled_to_zero_is_not_ready() -> None:
+    found = status.derive(engine(), deployment(replicas=0, total=0, updated=0, ready=0, available=0), now=T0)
+    assert found["phase"] == "Pending"
+    assert condition(found, "Ready")["reason"] == "ScaledToZero"
+
+
+def test_a_reconcile_failure_stands_until_the_spec_changes() -> None:
+    failed = engine()
+    failed["status"] = status.derive(failed, deployment(), now=T0, failure="422 Invalid: bad quantity")
+    assert failed["status"]["phase"] == "Failed"
+    assert condition(failed["status"], "Ready")["message"] == "422 Invalid: bad quantity"
+
+    # A Deployment event for the same generation keeps the failure ...
+    assert status.derive(failed, deployment(), now=T1)["phase"] == "Failed"
+    # ... and a new generation clears it.
+    newer = engine(generation=4)
+    newer["status"] = failed["status"]
+    assert status.derive(newer, deployment(rendered=4), now=T1)["phase"] == "Ready"
+
+
+def test_transition_time_changes_only_on_transition() -> None:
+    obj = engine()
+    obj["status"] = status.derive(obj, deployment(updated=1, available=1, ready=1), now=T0)
+    later = status.derive(obj, deployment(updated=2, available=1, ready=1, progress_reason="ReplicaSetUpdated"), now=T1)
+    # Still progressing, with a new message: the transition time stays.
+    assert condition(later, "Progressing")["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+    assert condition(later, "Progressing")["message"] != condition(obj["status"], "Progressing")["message"]
+    obj["status"] = later
+    done = status.derive(obj, deployment(), now=T1)
+    assert condition(done, "Ready")["lastTransitionTime"] == "2026-01-01T12:05:00Z"
+    assert condition(done, "Progressing")["lastTransitionTime"] == "2026-01-01T12:05:00Z"
+
+
+def test_unchanged_inputs_give_an_unchanged_status() -> None:
+    obj = engine()
+    obj["status"] = status.derive(obj, deployment(), now=T0)
+    again = status.derive(obj, deployment(), now=T1)
+    assert not status.changed(obj, again)
+    assert status.changed(obj, status.derive(obj, deployment(available=1), now=T1))
+
+
+def test_conditions_of_other_writers_are_kept() -> None:
+    obj = engine()
+    scaling = {"type": "ScalingLimited", "status": "True", "reason": "AtMax", "message": "m",
+               "lastTransitionTime": "2025-12-31T00:00:00Z"}
+    obj["status"] = {"conditions": [scaling]}
+    found = status.derive(obj, deployment(), now=T0)
+    assert [c["type"] for c in found["conditions"]] == ["ScalingLimited", "Ready", "Progressing"]
+    assert found["conditions"][0] == scaling
+
+
+def test_auto_policy_reports_the_tuners_choice() -> None:
+    spec = engine()["spec"]
+    spec["scheduling"]["policy"] = "auto"
+    obj = engine(spec)
+    assert status.derive(obj, deployment(), now=T0)["effectiveSchedulingPolicy"] == "fcfs"
+    obj["status"] = {"effectiveSchedulingPolicy": "priority"}
+    assert status.derive(obj, deployment(), now=T0)["effectiveSchedulingPolicy"] == "priority"

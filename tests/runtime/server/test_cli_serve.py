@@ -1,0 +1,91 @@
+"""`kvpilot serve` arguments: every mistake is a usage error (exit 2) before any engine starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpilot.runtime import cli
+from kvpilot.runtime.server import demo_model
+
+from server_harness import HTTP_TIMEOUT_S, start_server
+
+
+def _usage_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["serve", *argv])
+    assert raised.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--tensor-parallel-size", "2"], "argument --tensor-parallel-size: tensor parallelism is not implemented"),
+    (["--trust-tenant-header"], "argument --trust-tenant-header: needs --tenants-file"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive integer"),
+    (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice"),
+    (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a non-negative number"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+])
+def test_bad_flags(capsys, argv, complaint):
+    assert complaint in _usage_error(capsys, *argv)
+
+
+def test_bad_files_are_named(capsys, tmp_path):
+    (tmp_path / "tenants.yaml").write_text("[{name: a, priority: high}]")
+    error = _usage_error(capsys, str(tmp_path), "--tenants-file", str(tmp_path / "tenants.yaml"))
+    assert "argument --tenants-file:" in error and "priority must be an integer" in error
+    error = _usage_error(capsys, str(tmp_path), "--admin-token-file", str(tmp_path / "missing"))
+    assert "argument --admin-token-file:" in error
+
+
+def test_a_folder_without_a_model_is_refused(capsys, tmp_path):
+    assert "no config.json" in _usage_error(capsys, str(tmp_path))
+
+
+def test_engine_limits_are_checked_before_the_engine_starts(capsys, tiny_llama_dir):
+    assert "block_size" in _usage_error(capsys, str(tiny_llama_dir), "--block-size", "3")
+
+
+def test_the_console_script_and_python_m_both_run_the_cli():
+    script = Path(sys.executable).with_name("kvpilot")
+    result = subprocess.run([str(script), "serve", "--tensor-parallel-size", "4"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "--tensor-parallel-size" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--help"], capture_output=True,
+                            text=True, timeout=120, env={"PYTHONSAFEPATH": "1", "PATH": ""})
+    assert result.returncode == 0 and "--served-model-name" in result.stdout
+
+
+def _readme_examples() -> tuple[str, str]:
+    """The README's curl request body and its openai client snippet."""
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    serving = readme[readme.index("## Serving"):]
+    curl = re.search(r"-d '(\{.*?\})'", serving).group(1)
+    snippet = re.search(r"```python\n(.*?)```", serving, re.S).group(1)
+    return curl, snippet
+
+
+def test_without_model_dir_the_demo_model_is_built_once_and_the_readme_examples_work(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    server = start_server(None, tmp_path, env={"XDG_CACHE_HOME": str(cache)})
+    try:
+        curl_body, snippet = _readme_examples()
+        response = httpx.post(f"{server.base_url}/v1/completions", json=json.loads(curl_body), timeout=HTTP_TIMEOUT_S)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 16
+        exec(snippet.replace("http://127.0.0.1:8000", server.base_url), {})
+        assert capsys.readouterr().out.endswith("\n")  # it got as far as printing the reply
+    finally:
+        server.stop()
+    built = cache / "kvpilot" / "tiny-llama"
+    assert [p.name for p in built.parent.iterdir()] == ["tiny-llama"]  # no scratch folder left behind
+    stamp = (built / "model.safetensors").stat().st_mtime_ns
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        assert demo_model.ensure_demo_model() == built
+    assert (built / "model.safetensors").stat().st_mtime_ns == stamp

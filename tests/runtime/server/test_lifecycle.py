@@ -1,0 +1,116 @@
+"""SIGTERM drains, and a dead EngineCore takes the server down; each test ends its own server.
+
+A request whose body is only partly sent is in flight for as long as the test wants: that makes
+"while a request is still running" a state the test controls instead of a race.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from server_harness import (
+    HTTP_TIMEOUT_S,
+    RawRequest,
+    assert_openai_error,
+    engine_core_pid,
+    parse_http_response,
+    sse_events,
+    start_server,
+    wait_until,
+)
+
+BODY = {"prompt": "The orchestra tuned their instruments", "max_tokens": 8, "ignore_eos": True}
+
+
+def _in_flight(server) -> float:
+    return server.metric("kvpilot:http_requests_in_flight")
+
+
+def _hold_request(server) -> RawRequest:
+    """A completion request sent up to its last byte, counted in flight by the server."""
+    held = RawRequest(server.base_url, "/v1/completions", BODY)
+    held.send_body(upto=len(held.payload) - 1)
+    wait_until(lambda: _in_flight(server) == 1, what="the held request to be in flight")
+    return held
+
+
+@pytest.fixture
+def own_server(tiny_llama_dir, tmp_path):
+    servers = []
+
+    def start(*args: str):
+        servers.append(start_server(tiny_llama_dir, tmp_path, *args))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_sigterm_drains_running_requests_then_exits_0(own_server):
+    server = own_server("--shutdown-timeout", "120")
+    held = _hold_request(server)
+    with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as http:
+        stream_body = {**BODY, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/completions", json=stream_body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+
+            server.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: http.get("/health").status_code == 503, what="/health to turn 503")
+            assert http.get("/health").json()["status"] == "draining"
+            assert_openai_error(http.post("/v1/completions", json=BODY), 503, code="shutting_down")
+            assert server.process.poll() is None  # still serving what it had
+
+            # Both requests that were in flight run to their end.
+            status, body = held.response()
+            assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+            assert body["usage"]["completion_tokens"] == BODY["max_tokens"]
+            events = sse_events([first, *lines])
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 64
+    assert server.wait_exit() == 0
+
+
+def test_requests_still_running_at_the_shutdown_timeout_are_aborted(own_server):
+    server = own_server("--shutdown-timeout", "0.5")
+    held = _hold_request(server)  # its body is never finished
+    with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as http:
+        with http.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 1500, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            server.process.send_signal(signal.SIGTERM)
+            # A stream under way is cut off: its client sees a broken response, not a [DONE].
+            with pytest.raises(httpx.RemoteProtocolError):
+                for _ in lines:
+                    pass
+    # The request that had no answer yet gets a 503.
+    status, body = parse_http_response(held.read_to_end())
+    assert status == 503 and body["error"]["code"] == "shutting_down"
+    assert server.wait_exit() == 0
+
+
+def test_a_dead_engine_fails_requests_and_the_server_exits_nonzero(own_server):
+    server = own_server()
+    held = _hold_request(server)
+    with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as http:
+        stream_body = {**BODY, "max_tokens": 1500, "stream": True}
+        with http.stream("POST", "/v1/completions", json=stream_body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.kill(engine_core_pid(server.pid), signal.SIGKILL)
+            # The stream ends with an error event, and without [DONE].
+            events = sse_events([first, *lines])
+        assert "error" in events[-1] and events[-1]["error"]["code"] == "engine_dead"
+        assert "[DONE]" not in events
+
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        assert_openai_error(http.post("/v1/completions", json=BODY), 503, code="engine_dead")
+    status, body = held.response()
+    assert status == 503 and body["error"]["code"] == "engine_dead"
+    assert server.wait_exit() != 0

@@ -1,0 +1,94 @@
+"""Request bodies: what pydantic accepts, refuses and derives (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvpilot.runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessage,
+    CompletionRequest,
+    SchedulingPolicyRequest,
+    TokenizeRequest,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_completion_defaults_follow_openai_and_vllm():
+    request = CompletionRequest(prompt="x")
+    assert request.max_tokens == 16 and request.n == 1 and request.temperature == 1.0
+    assert request.priority is None and request.cache_salt is None
+    assert request.stop_strings == [] and not request.include_usage
+
+
+@pytest.mark.parametrize("prompt, unwrapped", [("x", "x"), ([1, 2], [1, 2]), (["x"], "x"), ([[1, 2]], [1, 2])])
+def test_one_prompt_per_request(prompt, unwrapped):
+    assert CompletionRequest(prompt=prompt).prompt == unwrapped
+
+
+@pytest.mark.parametrize("fields", [
+    {"prompt": ["x", "y"]},
+    {"prompt": [[1], [2]]},
+    {"prompt": [1, -2]},
+    {"prompt": "x", "echo": True},
+    {"prompt": "x", "stream_options": {"include_usage": True}},
+    {"prompt": "x", "stop": ["a", ""]},
+    {"prompt": "x", "n": 129},
+])
+def test_refused_completion_bodies(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**fields)
+
+
+def test_stop_and_stream_options():
+    request = CompletionRequest(prompt="x", stop="END", stream=True, stream_options={"include_usage": True})
+    assert request.stop_strings == ["END"] and request.include_usage
+
+
+def test_chat_token_limits_and_logprobs():
+    assert ChatCompletionRequest(messages=USER).max_new_tokens is None
+    assert ChatCompletionRequest(messages=USER, max_tokens=5).max_new_tokens == 5
+    assert ChatCompletionRequest(messages=USER, max_tokens=5, max_completion_tokens=7).max_new_tokens == 7
+    assert ChatCompletionRequest(messages=USER).num_logprobs is None
+    assert ChatCompletionRequest(messages=USER, logprobs=True).num_logprobs == 0
+    assert ChatCompletionRequest(messages=USER, logprobs=True, top_logprobs=4).num_logprobs == 4
+
+
+@pytest.mark.parametrize("fields", [
+    {"messages": []},
+    {"messages": USER, "top_logprobs": 2},
+    {"messages": USER, "continue_final_message": True},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]},
+])
+def test_refused_chat_bodies(fields):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(**fields)
+
+
+def test_message_content_parts_are_joined_for_the_template():
+    message = ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
+    assert message.as_template_input() == {"role": "user", "content": "ab"}
+    assert ChatMessage(role="assistant", name="bot").as_template_input() == {"role": "assistant", "content": "",
+                                                                             "name": "bot"}
+
+
+def test_tokenize_takes_exactly_one_of_prompt_and_messages():
+    assert TokenizeRequest(prompt="x").messages is None
+    for fields in [{}, {"prompt": "x", "messages": USER}]:
+        with pytest.raises(ValidationError):
+            TokenizeRequest(**fields)
+
+
+def test_scheduling_policy_must_be_known():
+    assert SchedulingPolicyRequest(policy="priority").policy == "priority"
+    with pytest.raises(ValidationError, match="fcfs, priority"):
+        SchedulingPolicyRequest(policy="lifo")
+
+
+def test_chat_deltas_carry_only_what_changed():
+    assert ChatDelta().model_dump() == {}
+    assert ChatDelta(content="x").model_dump() == {"content": "x"}
+    assert ChatDelta(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
