@@ -1,0 +1,83 @@
+"""The kopf wiring: which events run which reconcile step (the steps live in reconcile.py).
+
+Handlers go to this module's own `registry`, which `kvpilot operator` runs; nothing is
+registered globally on import. No deletion handler, daemon or timer is registered: each of those
+would make kopf put a finalizer on every InferenceEngine, and deletion needs none, because every
+child carries an ownerReference and the garbage collector removes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from kvpilot.operator import kube, naming, reconcile
+
+registry = kopf.OperatorRegistry()
+
+_ENGINES = (naming.GROUP, naming.VERSION, naming.PLURAL)
+_OWN_CHILDREN = {naming.MANAGED_BY_LABEL: naming.FIELD_MANAGER}
+
+# Retry delays after a failed API call: 1 s, doubling, at most 5 minutes.
+RETRY_BASE_SECONDS = 1.0
+RETRY_MAX_SECONDS = 300.0
+
+
+def retry_delay(retry: int) -> float:
+    return min(RETRY_BASE_SECONDS * 2**retry, RETRY_MAX_SECONDS)
+
+
+@kopf.on.startup(registry=registry)
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # kopf's bookkeeping goes into annotations: the CRD's structural schema would prune it
+    # from status.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=naming.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=naming.GROUP, key="last-handled-configuration"
+    )
+    # Scanning watches Namespaces and CRDs cluster-wide. Without it the operator needs no rights
+    # on either; the price is that the CRD must exist when the operator starts (the chart
+    # installs it first).
+    settings.scanning.disabled = True
+    # A watch connection can die silently; these make it end and restart instead of hanging.
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    memo.reconciler = reconcile.Reconciler(kube.Kube(settings))
+
+
+@kopf.on.cleanup(registry=registry)
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    await memo.reconciler.client.close()
+
+
+@kopf.on.login(registry=registry)
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+    return kube.login(settings)
+
+
+@kopf.on.resume(*_ENGINES, registry=registry)
+@kopf.on.create(*_ENGINES, registry=registry)
+@kopf.on.update(*_ENGINES, registry=registry)
+async def reconcile_engine(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    try:
+        problems = await memo.reconciler.reconcile(body)
+    except kube.ApiError as error:
+        kopf.warn(body, reason="ReconcileFailed", message=str(error))
+        if error.permanent:
+            await memo.reconciler.record_failure(body, str(error))
+            raise kopf.PermanentError(str(error)) from error
+        raise kopf.TemporaryError(str(error), delay=retry_delay(retry)) from error
+    if problems:
+        raise kopf.TemporaryError("; ".join(problems), delay=retry_delay(retry))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_OWN_CHILDREN, registry=registry)
+async def deployment_event(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    try:
+        await memo.reconciler.deployment_changed(body, deleted=type == "DELETED")
+    except kube.ApiError as error:
+        # The next event of this Deployment, or of its engine, brings the status up to date.
+        logger.warning(f"Could not follow the Deployment: {error}")

@@ -1,0 +1,173 @@
+"""A small asyncio client for the few Kubernetes API calls the reconciler makes.
+
+kopf watches and patches the InferenceEngines itself; this client reads and server-side-applies
+the children. It logs in the same way as the operator's kopf login handler, and logs in again
+once when the API answers 401 (service-account tokens are rotated while the operator runs).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from kvpilot.operator import naming
+
+# kind -> plural, for every kind the operator reads or writes.
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "Service": "services",
+    "Deployment": "deployments",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "ServiceMonitor": "servicemonitors",
+    naming.KIND: naming.PLURAL,
+}
+
+# Statuses that a retry cannot fix: the request itself is wrong.
+_PERMANENT_STATUSES = frozenset({400, 422})
+_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+class ApiError(Exception):
+    """A failed API call; `status` is 0 where no HTTP answer came back."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}" if status else f"{reason}: {message}")
+        self.status = status
+
+    @property
+    def permanent(self) -> bool:
+        return self.status in _PERMANENT_STATUSES
+
+
+def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
+    """In a pod, its service account; elsewhere (development, tests), the kubeconfig."""
+    return (
+        kopf.login_with_service_account(settings=settings)
+        or kopf.login_with_kubeconfig(settings=settings)
+    )
+
+
+def path(api_version: str, kind: str, namespace: str, name: str) -> str:
+    prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{PLURALS[kind]}/{name}"
+
+
+def path_of(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    return path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+
+class Kube:
+    def __init__(self, settings: kopf.OperatorSettings) -> None:
+        self._settings = settings
+        self._session: aiohttp.ClientSession | None = None
+        self._server = ""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def get(self, url: str) -> dict[str, Any] | None:
+        """The object at `url`, or None where there is none."""
+        try:
+            return await self._request("GET", url)
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply as the operator's field manager; `force` takes fields back from
+        anyone who edited them by hand, which is what reconciling means."""
+        return await self._request(
+            "PATCH",
+            path_of(obj),
+            params={"fieldManager": naming.FIELD_MANAGER, "force": "true"},
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+
+    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._request(
+            "PATCH",
+            f"{path_of(obj)}/status",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the cluster serves a resource, e.g. ServiceMonitors where their CRD is installed."""
+        listing = await self.get(f"/apis/{group_version}")
+        return listing is not None and any(r.get("name") == plural for r in listing.get("resources", []))
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Mapping[str, Any] | None = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        request = (method, url, params, body, content_type)
+        status, payload = await self._send(*request, fresh_login=False)
+        if status == 401:
+            status, payload = await self._send(*request, fresh_login=True)
+        if status >= 400:
+            raise _error(status, payload)
+        return json.loads(payload) if payload else {}
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        params: Mapping[str, str] | None,
+        body: Mapping[str, Any] | None,
+        content_type: str | None,
+        *,
+        fresh_login: bool,
+    ) -> tuple[int, bytes]:
+        session = await self._connect(fresh=fresh_login)
+        headers = {"Content-Type": content_type} if content_type else {}
+        data = json.dumps(body) if body is not None else None
+        try:
+            async with session.request(
+                method, self._server + url, params=params, data=data, headers=headers
+            ) as response:
+                return response.status, await response.read()
+        except (TimeoutError, aiohttp.ClientError) as error:
+            raise ApiError(0, "ConnectionFailed", f"{method} {url}: {error!r}") from error
+
+    async def _connect(self, *, fresh: bool) -> aiohttp.ClientSession:
+        if self._session is not None and not fresh:
+            return self._session
+        await self.close()
+        info = login(self._settings)
+        if info is None:
+            raise ApiError(0, "LoginFailed", "found no service account and no kubeconfig to log in with")
+        self._server = info.server.rstrip("/")
+        # as_http_headers() carries the token or the basic-auth credentials.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
+            headers={"User-Agent": naming.FIELD_MANAGER, **info.as_http_headers()},
+            timeout=_TIMEOUT,
+        )
+        return self._session
+
+
+def _error(status: int, payload: bytes) -> ApiError:
+    """The API server's Status object, when the body is one."""
+    try:
+        details = json.loads(payload)
+    except ValueError:
+        details = None
+    if not isinstance(details, dict):
+        details = {}
+    message = details.get("message") or payload[:500].decode(errors="replace")
+    return ApiError(status, details.get("reason") or "Error", message)

@@ -1,0 +1,59 @@
+"""The names, labels and annotations that the renderer, the status and the handlers share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceEngine"
+PLURAL = "inferenceengines"
+
+# The server-side-apply field manager: the owner of every field the operator renders.
+FIELD_MANAGER = "kvpilot-operator"
+
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+PART_OF_LABEL = "app.kubernetes.io/part-of"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+# On the Deployment's own metadata (never its pod template, which would roll the pods):
+# the InferenceEngine generation it was rendered from, so that status can tell a finished
+# rollout of the current spec from one of an older spec.
+GENERATION_ANNOTATION = f"{GROUP}/generation"
+
+
+def selector_labels(engine_name: str) -> dict[str, str]:
+    """The labels that pick one engine's pods; they never change, as Deployment selectors can't."""
+    return {
+        NAME_LABEL: "kvpilot",
+        INSTANCE_LABEL: engine_name,
+        COMPONENT_LABEL: "engine",
+    }
+
+
+def labels(engine_name: str) -> dict[str, str]:
+    return {**selector_labels(engine_name), PART_OF_LABEL: "kvpilot", MANAGED_BY_LABEL: FIELD_MANAGER}
+
+
+def selector_string(engine_name: str) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(engine_name).items()))
+
+
+def config_map_name(engine_name: str) -> str:
+    return f"{engine_name}-config"
+
+
+def tenant_keys_secret_name(engine_name: str) -> str:
+    return f"{engine_name}-tenant-keys"
+
+
+def owner_name(child: Mapping[str, Any]) -> str | None:
+    """The InferenceEngine that controls a child object, if any."""
+    for ref in child.get("metadata", {}).get("ownerReferences", []):
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            return ref.get("name")
+    return None

@@ -1,0 +1,107 @@
+"""One reconcile pass: read what rendering needs, server-side-apply the children, write status.
+
+Applying is idempotent: the same spec applies the same objects, the API server keeps them as
+they are, and no event is posted. Events go to the InferenceEngine, one per child created or
+changed, so that `kubectl describe ie` tells the story.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+
+from kvpilot.operator import kube, naming, render, status
+
+SERVICE_MONITORS = ("monitoring.coreos.com/v1", "servicemonitors")
+
+
+class Reconciler:
+    def __init__(self, client: kube.Kube) -> None:
+        self.client = client
+        # Status is written from two places (a reconcile pass and the Deployment follower);
+        # one lock per engine, with fresh reads inside it, keeps an older view from landing last.
+        self._status_locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = (
+            collections.defaultdict(asyncio.Lock)
+        )
+
+    async def reconcile(self, engine: Mapping[str, Any]) -> list[str]:
+        """Apply the engine's children and refresh its status. Returns the problems that a retry
+        may fix (a tenant's key Secret that is missing); raises kube.ApiError when a call fails."""
+        keys, problems = await self.tenant_keys(engine)
+        monitor = await self.client.serves(*SERVICE_MONITORS)
+        for child in render.children(engine, tenant_keys=keys, service_monitor=monitor):
+            await self._apply(engine, child)
+        await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"])
+        for problem in problems:
+            kopf.warn(_about(engine), reason="TenantKeyMissing", message=problem)
+        return problems
+
+    async def record_failure(self, engine: Mapping[str, Any], message: str) -> None:
+        """Mark the engine Failed for its current generation; a spec change clears it."""
+        await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], failure=message)
+
+    async def deployment_changed(self, deployment: Mapping[str, Any], *, deleted: bool) -> None:
+        """Follow a child Deployment: refresh the owner's status, or recreate a deleted Deployment."""
+        owner = naming.owner_name(deployment)
+        if owner is None:
+            return
+        namespace = deployment["metadata"]["namespace"]
+        if not deleted:
+            await self.refresh_status(namespace, owner)
+            return
+        engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, owner))
+        if engine is not None and not engine["metadata"].get("deletionTimestamp"):
+            await self.reconcile(engine)
+
+    async def refresh_status(self, namespace: str, name: str, *, failure: str | None = None) -> None:
+        async with self._status_locks[namespace, name]:
+            engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
+            if engine is None or engine["metadata"].get("deletionTimestamp"):
+                return  # going away; garbage collection takes the children along
+            deployment = await self.client.get(kube.path("apps/v1", "Deployment", namespace, name))
+            now = datetime.datetime.now(datetime.UTC)
+            new = status.derive(engine, deployment, now=now, failure=failure)
+            if status.changed(engine, new):
+                await self.client.patch_status(engine, new)
+
+    async def tenant_keys(self, engine: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
+        """Each tenant's API key, base64 as in its Secret's data (never decoded here), and a
+        message for each tenant whose key cannot be found."""
+        namespace = engine["metadata"]["namespace"]
+        keys: dict[str, str] = {}
+        problems: list[str] = []
+        secrets: dict[str, dict[str, Any] | None] = {}
+        for tenant in engine["spec"]["scheduling"].get("tenants", []):
+            ref = tenant.get("apiKeySecretRef")
+            if ref is None:
+                continue
+            if ref["name"] not in secrets:
+                secrets[ref["name"]] = await self.client.get(kube.path("v1", "Secret", namespace, ref["name"]))
+            secret = secrets[ref["name"]]
+            if secret is None:
+                problems.append(f"tenant {tenant['name']}: Secret {ref['name']} does not exist")
+            elif ref["key"] not in secret.get("data", {}):
+                problems.append(f"tenant {tenant['name']}: Secret {ref['name']} has no key {ref['key']}")
+            else:
+                keys[tenant["name"]] = secret["data"][ref["key"]]
+        return keys, problems
+
+    async def _apply(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
+        before = await self.client.get(kube.path_of(child))
+        after = await self.client.apply(child)
+        what = f"{child['kind']} {child['metadata']['name']}"
+        if before is None:
+            kopf.info(_about(engine), reason="Created", message=f"Created {what}")
+        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
+            kopf.info(_about(engine), reason="Updated", message=f"Updated {what}")
+
+
+def _about(engine: Mapping[str, Any]) -> kopf.Body:
+    # kopf builds an event's object reference from apiVersion, kind and metadata, which any
+    # engine object has, whether kopf delivered it or the client read it.
+    return cast(kopf.Body, engine)

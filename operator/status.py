@@ -1,0 +1,181 @@
+"""The child Deployment (and the last reconcile's outcome) -> InferenceEngine status. Pure:
+the clock is a parameter.
+
+Status never claims Ready before the Deployment has rolled out the pod template of the current
+spec: the Deployment carries the engine generation it was rendered from, and Ready needs that
+generation, the Deployment controller's observation of it, and every updated replica available.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator import naming, render
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+RECONCILE_FAILED = "ReconcileFailed"
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    phase: str  # Pending, Progressing, Ready, Degraded or Failed
+    reason: str
+    message: str
+
+
+def derive(
+    engine: Mapping[str, Any],
+    deployment: Mapping[str, Any] | None,
+    *,
+    now: datetime.datetime,
+    failure: str | None = None,
+) -> dict[str, Any]:
+    """The status fields the reconciler owns. `failure` is why applying the current spec failed;
+    a failure recorded earlier for the same generation stands until the spec changes."""
+    meta = engine["metadata"]
+    spec = engine["spec"]
+    current = engine.get("status") or {}
+    failure = failure or standing_failure(engine)
+    rollout = (deployment or {}).get("status") or {}
+
+    if failure is not None:
+        observed: int | None = meta["generation"]
+        verdict = _Verdict("Failed", RECONCILE_FAILED, failure)
+    elif deployment is None:
+        observed = current.get("observedGeneration")
+        verdict = _Verdict("Pending", "DeploymentMissing", "the engine's Deployment does not exist yet")
+    else:
+        observed = rendered_generation(deployment)
+        verdict = _judge_rollout(deployment, meta["generation"])
+
+    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    conditions = list(current.get("conditions", []))
+    conditions = _set_condition(
+        conditions, READY, verdict.phase == "Ready", verdict.reason, verdict.message, observed, stamp
+    )
+    if verdict.phase in ("Ready", "Degraded"):
+        conditions = _set_condition(
+            conditions, PROGRESSING, False, "RolloutComplete",
+            "every replica runs the current pod template", observed, stamp,
+        )
+    else:
+        conditions = _set_condition(
+            conditions, PROGRESSING, verdict.phase == "Progressing", verdict.reason, verdict.message,
+            observed, stamp,
+        )
+
+    status: dict[str, Any] = {
+        "phase": verdict.phase,
+        "desiredReplicas": spec["replicas"],
+        "replicas": rollout.get("replicas", 0),
+        "readyReplicas": rollout.get("readyReplicas", 0),
+        "selector": naming.selector_string(meta["name"]),
+        "endpoint": render.endpoint(engine),
+        "effectiveSchedulingPolicy": _effective_policy(spec, current),
+        "conditions": conditions,
+    }
+    if observed is not None:
+        status["observedGeneration"] = observed
+    return status
+
+
+def changed(engine: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """Whether writing `status` would change anything (fields it lacks are left alone)."""
+    current = engine.get("status") or {}
+    return any(current.get(key) != value for key, value in status.items())
+
+
+def standing_failure(engine: Mapping[str, Any]) -> str | None:
+    """The reconcile failure recorded for the engine's current generation, if any."""
+    for condition in (engine.get("status") or {}).get("conditions", []):
+        if (
+            condition.get("type") == READY
+            and condition.get("reason") == RECONCILE_FAILED
+            and condition.get("observedGeneration") == engine["metadata"].get("generation")
+        ):
+            return condition.get("message", "")
+    return None
+
+
+def rendered_generation(deployment: Mapping[str, Any]) -> int | None:
+    value = deployment.get("metadata", {}).get("annotations", {}).get(naming.GENERATION_ANNOTATION)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
+    rollout = deployment.get("status") or {}
+    if "observedGeneration" not in rollout:
+        return _Verdict("Pending", "DeploymentPending",
+                        "the Deployment controller has not acted on the Deployment yet")
+    if rendered_generation(deployment) != generation:
+        return _Verdict("Progressing", "Reconciling",
+                        f"generation {generation} is not applied to the Deployment yet")
+    if rollout["observedGeneration"] < deployment.get("metadata", {}).get("generation", 0):
+        return _Verdict("Progressing", "RolloutPending",
+                        "the Deployment controller has not observed the new pod template yet")
+
+    deployment_progress = _deployment_condition(deployment, "Progressing")
+    if deployment_progress.get("reason") == "ProgressDeadlineExceeded":
+        return _Verdict("Failed", "ProgressDeadlineExceeded",
+                        deployment_progress.get("message", "the rollout stalled"))
+
+    wanted = deployment.get("spec", {}).get("replicas", 1)
+    updated = rollout.get("updatedReplicas", 0)
+    total = rollout.get("replicas", 0)
+    available = rollout.get("availableReplicas", 0)
+    if updated < wanted or total > updated:
+        return _Verdict("Progressing", "RollingOut",
+                        f"{updated}/{wanted} replicas run the current pod template;"
+                        f" {total - updated} old replicas remain")
+    if wanted == 0:
+        return _Verdict("Pending", "ScaledToZero", "spec.replicas is 0: no engine is running")
+    if available < wanted:
+        # Once the Deployment has called its rollout complete, missing replicas are lost ones,
+        # not new ones still starting.
+        if deployment_progress.get("reason") == "NewReplicaSetAvailable":
+            return _Verdict("Degraded", "ReplicasUnavailable", f"{available}/{wanted} replicas are available")
+        return _Verdict("Progressing", "RollingOut", f"{available}/{wanted} updated replicas are available")
+    return _Verdict("Ready", "Available", f"{available}/{wanted} replicas are available")
+
+
+def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for condition in (deployment.get("status") or {}).get("conditions", []):
+        if condition.get("type") == kind:
+            return condition
+    return {}
+
+
+def _effective_policy(spec: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    # Under `auto` the policy tuner owns the live policy; the pods start with the initial one.
+    if spec["scheduling"]["policy"] == "auto":
+        return current.get("effectiveSchedulingPolicy", render.initial_scheduling_policy(spec))
+    return render.initial_scheduling_policy(spec)
+
+
+def _set_condition(
+    conditions: list[dict[str, Any]],
+    kind: str,
+    true: bool,
+    reason: str,
+    message: str,
+    observed: int | None,
+    stamp: str,
+) -> list[dict[str, Any]]:
+    """Set one condition, keeping the others (later work adds its own types) and keeping
+    lastTransitionTime unless the condition's status flips."""
+    status = "True" if true else "False"
+    previous = next((c for c in conditions if c.get("type") == kind), None)
+    condition: dict[str, Any] = {"type": kind, "status": status, "reason": reason, "message": message}
+    if observed is not None:
+        condition["observedGeneration"] = observed
+    if previous is not None and previous.get("status") == status and "lastTransitionTime" in previous:
+        condition["lastTransitionTime"] = previous["lastTransitionTime"]
+    else:
+        condition["lastTransitionTime"] = stamp
+    if previous is None:
+        return [*conditions, condition]
+    return [condition if c is previous else c for c in conditions]
