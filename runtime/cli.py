@@ -160,6 +160,7 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 # The serve flags that are EngineArgs fields, under the same (vLLM) names.
 _ENGINE_FLAGS = (
     "dtype", "seed", "block_size", "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
     "scheduling_policy",
 )
@@ -210,9 +211,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV blocks of shared prefixes")
     engine.add_argument("--num-gpu-blocks-override", metavar="N", type=_positive_int,
-                        help="KV-cache size in blocks (default: sized from --kv-cache-memory-bytes)")
+                        help="KV-cache size in blocks (default: sized from the memory budget)")
     engine.add_argument("--kv-cache-memory-bytes", metavar="N", type=_positive_int,
-                        default=_ENGINE_DEFAULTS["kv_cache_memory_bytes"], help="KV-cache memory budget")
+                        help="KV-cache memory budget in bytes (default: from --gpu-memory-utilization on "
+                             "CUDA, 512 MiB on a CPU)")
+    engine.add_argument("--gpu-memory-utilization", metavar="FRACTION", type=float,
+                        default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
+                        help="fraction of GPU memory the engine may use, weights and KV cache together")
     engine.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=_ENGINE_DEFAULTS["max_num_seqs"],
                         help="most requests in one step")
     engine.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int,

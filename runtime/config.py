@@ -88,13 +88,24 @@ def _scaling_part(rope_parameters: dict) -> dict | None:
     return rope_parameters
 
 
+# The KV budget on a CPU when none is given: there is no device memory to take a fraction of.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
 @dataclass
 class CacheConfig:
+    """How big the KV pool is: the first of these that is set decides.
+
+    num_gpu_blocks_override (blocks), kv_cache_memory_bytes (a byte budget), then on CUDA
+    gpu_memory_utilization (the fraction of device memory the whole engine may hold), and on a
+    CPU DEFAULT_CPU_KV_CACHE_BYTES.
+    """
+
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # The pool size in blocks; without it the pool is sized from kv_cache_memory_bytes.
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int = 512 * 1024**2
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass
@@ -117,7 +128,8 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int = 512 * 1024**2
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -148,8 +160,10 @@ class EngineArgs:
         _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
                  "num_gpu_blocks_override",
                  f"must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks_override}")
-        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                  f"must be positive, got {self.kv_cache_memory_bytes}")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -157,6 +171,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
 from kvpilot.runtime.core.sched.scheduler import Scheduler
 from kvpilot.runtime.engine.messages import EngineStats
@@ -42,15 +42,30 @@ class EngineCore:
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        from_budget = cache.kv_cache_memory_bytes // self.model_runner.kv_cache_bytes_per_block()
+        budget = self._kv_cache_budget_bytes()
         # More than every sequence at full length (plus the null block) could never be used.
         enough = sched.max_num_seqs * -(-sched.max_model_len // cache.block_size) + 1
-        num_blocks = min(from_budget, enough)
+        num_blocks = min(budget // self.model_runner.kv_cache_bytes_per_block(), enough)
         if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} is too small for one KV block"
-            )
+            raise ValueError(f"the KV-cache budget of {budget} bytes is too small for one KV block")
         return num_blocks
+
+    def _kv_cache_budget_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.model_runner.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        # The weights are loaded by now, so what the device already holds is theirs (and other
+        # processes'). Activation peaks are not profiled yet: leave headroom in the fraction.
+        free, total = torch.cuda.mem_get_info(self.model_runner.device)
+        budget = int(total * cache.gpu_memory_utilization) - (total - free)
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no room for the KV cache: "
+                f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are already in use"
+            )
+        return budget
 
     def validate(self, prompt_token_ids: list[int], params) -> None:
         validate_request(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import base64
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,9 +22,7 @@ def parsed_serve_args(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> argpa
 
 
 def test_the_engine_accepts_the_rendered_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec: dict[str, Any] = {**FULL_SPEC, "engine": {**FULL_SPEC["engine"]}}
-    del spec["engine"]["gpuMemoryUtilization"]
-    parsed = parsed_serve_args(monkeypatch, render.serve_args(engine(spec)))
+    parsed = parsed_serve_args(monkeypatch, render.serve_args(engine(FULL_SPEC)))
     assert parsed.model_dir == "/var/lib/kvpilot/model"
     assert parsed.served_model_name == "llama-3-8b"
     assert (parsed.host, parsed.port) == ("0.0.0.0", 8000)
@@ -36,16 +33,11 @@ def test_the_engine_accepts_the_rendered_flags(monkeypatch: pytest.MonkeyPatch) 
     assert parsed.shutdown_timeout == 30
     assert parsed.tenants_file == Path("/etc/kvpilot/tenants.yaml")
     assert parsed.seed == 7
+    assert parsed.gpu_memory_utilization == FULL_SPEC["engine"]["gpuMemoryUtilization"]
 
 
 def test_the_engine_accepts_the_examples_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     parsed_serve_args(monkeypatch, render.serve_args(example()))
-
-
-@pytest.mark.xfail(strict=True, raises=SystemExit,
-                   reason="the engine has no --gpu-memory-utilization yet (DESIGN: engine.gpuMemoryUtilization)")
-def test_the_engine_accepts_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatch) -> None:
-    parsed_serve_args(monkeypatch, render.serve_args(engine()))
 
 
 def test_the_engine_reads_the_rendered_tenants_file(tmp_path: Path) -> None:

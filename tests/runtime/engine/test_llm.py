@@ -142,3 +142,11 @@ def test_n_choices_are_seeded_one_after_another(llm):
                                                             ignore_eos=True))[0]
         assert completion.token_ids == alone.outputs[0].token_ids
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+
+
+def test_kv_pool_is_sized_from_the_memory_budget(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory_bytes=2**20, max_model_len=64)
+    per_block = llm.engine.model_runner.kv_cache_bytes_per_block()
+    assert llm.engine.num_kv_blocks == 2**20 // per_block
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(str(tiny_llama_dir), gpu_memory_utilization=1.5)
