@@ -77,8 +77,8 @@ def main() -> None:
     print(f"model: {model_dir} ({llm.config.model.num_hidden_layers} layers, hidden {llm.config.model.hidden_size})")
     print(f"torch threads: {torch.get_num_threads()}")
     print()
-    print(f"| workload | kvpilot | baseline | speed-up |")
-    print(f"|---|---|---|---|")
+    print("| workload | kvpilot | baseline | speed-up |")
+    print("|---|---|---|---|")
     print(f"| {args.num_prompts} prompts x {args.new_tokens} new tokens (greedy) | "
           f"{kv_tokens / kv_seconds:.0f} tok/s | transformers generate: {hf_tokens / hf_seconds:.0f} tok/s | "
           f"{(kv_tokens / kv_seconds) / (hf_tokens / hf_seconds):.2f}x |")

@@ -17,9 +17,8 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -37,8 +36,8 @@ from kvpilot.runtime.engine.messages import (
     RequestType,
     UtilityCall,
 )
+from kvpilot.runtime.engine.output_processor import ChoiceState, OutputProcessor, StatLogger, StreamOutput
 from kvpilot.runtime.engine.validation import validate_request
-from kvpilot.runtime.outputs import EngineCoreOutput, Logprob, TokenLogprobs
 from kvpilot.runtime.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,106 +48,6 @@ LIVENESS_POLL_MS = 200
 
 class EngineDeadError(RuntimeError):
     """The EngineCore process is gone; no request can make progress."""
-
-
-@dataclass
-class StreamOutput:
-    """What one request (one choice, when n > 1) gained since the previous StreamOutput."""
-
-    request_id: str
-    # Which of the n choices this is (0 when n == 1).
-    index: int
-    text: str
-    token_ids: list[int]
-    # One dict per new token (the sampled token plus the top-N), when logprobs were asked for.
-    logprobs: list[dict[int, Logprob]] | None
-    # "stop" | "length" | "abort" once finished, else None.
-    finish_reason: str | None
-    # The stop token id or stop string that ended it, if any.
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    # Cumulative for this choice.
-    num_output_tokens: int
-    num_cached_tokens: int
-    # Only on the first StreamOutput of a request that asked for prompt_logprobs: [None, {...}, ...].
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class FinishedRequestStats:
-    """One finished (or aborted) choice, for the metrics; intervals on this process's monotonic clock."""
-
-    finish_reason: str
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_cached_tokens: int
-    e2e_latency: float
-    # None when no token was produced.
-    time_to_first_token: float | None
-    inter_token_latencies: list[float] = field(default_factory=list)
-    # Measured inside the EngineCore process; None if never scheduled.
-    queue_time: float | None = None
-    tenant: str | None = None
-
-
-class StatLogger(Protocol):
-    def record_engine_stats(self, stats: EngineStats) -> None: ...
-
-    def record_finished_request(self, stats: FinishedRequestStats) -> None: ...
-
-
-class _Choice:
-    """The frontend's state for one request in the engine (one choice of a client request)."""
-
-    def __init__(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
-                 num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: asyncio.Queue,
-                 tenant: str | None) -> None:
-        self.request_id = request_id
-        self.engine_id = engine_id
-        self.index = index
-        self.params = params
-        self.num_prompt_tokens = num_prompt_tokens
-        self.detokenizer = detokenizer
-        self.sink = sink
-        self.tenant = tenant
-        self.num_output_tokens = 0
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: dict[int, TokenLogprobs] = {}
-        self.prompt_logprobs_sent = False
-        self.arrival = time.monotonic()
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.inter_token_latencies: list[float] = []
-        self.queue_time: float | None = None
-
-    def note_tokens(self, count: int, now: float) -> None:
-        if count == 0:
-            return
-        if self.first_token_time is None:
-            self.first_token_time = now
-        else:
-            # Tokens arriving together (one step) share the interval.
-            self.inter_token_latencies.extend([(now - self.last_token_time) / count] * count)
-        self.last_token_time = now
-        self.num_output_tokens += count
-
-    def stats(self, finish_reason: str) -> FinishedRequestStats:
-        now = time.monotonic()
-        return FinishedRequestStats(
-            finish_reason=finish_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_output_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            e2e_latency=now - self.arrival,
-            time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
-            inter_token_latencies=self.inter_token_latencies,
-            queue_time=self.queue_time,
-            tenant=self.tenant,
-        )
 
 
 class AsyncLLM:
@@ -173,8 +72,7 @@ class AsyncLLM:
         self.eos_token_id = eos[0] if eos else None
         self.vocab_size = self.config.model.vocab_size
 
-        self._choices: dict[str, _Choice] = {}
-        self._stat_loggers: list[StatLogger] = []
+        self._output_processor = OutputProcessor(self.tokenizer)
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -266,7 +164,7 @@ class AsyncLLM:
         self._raise_if_dead()
         self.validate(prompt_token_ids, params)
         engine_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        if any(engine_id in self._choices for engine_id in engine_ids):
+        if any(engine_id in self._output_processor.choices for engine_id in engine_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
 
         sink: asyncio.Queue = asyncio.Queue()
@@ -279,10 +177,11 @@ class AsyncLLM:
                 eos_token_id=self.eos_token_id, priority=priority, cache_salt=cache_salt,
             ))
             detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include_stop_str_in_output)
-            choice = _Choice(request_id, engine_id, index, child, len(prompt_token_ids), detokenizer, sink, tenant)
+            choice = ChoiceState(request_id, engine_id, index, child, len(prompt_token_ids), detokenizer, sink,
+                                 tenant)
             children.append((choice, message))
         for choice, message in children:
-            self._choices[choice.engine_id] = choice
+            self._output_processor.choices[choice.engine_id] = choice
             self._send_encoded(RequestType.ADD, message)
         unfinished = set(engine_ids)
         try:
@@ -295,24 +194,17 @@ class AsyncLLM:
                 yield item
         finally:
             if unfinished:
-                self._abort_choices(unfinished)
-
-    def _abort_choices(self, engine_ids) -> None:
-        for engine_id in engine_ids:
-            choice = self._choices.pop(engine_id, None)
-            if choice is not None:
-                self._record_finished(choice, "abort")
-        if not self.errored:
-            self._send(RequestType.ABORT, AbortRequests(request_ids=list(engine_ids)))
+                self._abort(unfinished, notify=False)
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort client requests by id (each of their choices), as if their clients went away."""
-        wanted = set(request_ids)
-        engine_ids = [engine_id for engine_id, choice in self._choices.items() if choice.request_id in wanted]
-        for engine_id in engine_ids:
-            choice = self._choices[engine_id]
-            choice.sink.put_nowait(self._stream_output(choice, [], None, "abort", None))
-        self._abort_choices(engine_ids)
+        self._abort(self._output_processor.engine_ids_of(set(request_ids)), notify=True)
+
+    def _abort(self, engine_ids, notify: bool) -> None:
+        engine_ids = list(engine_ids)
+        self._output_processor.abort(engine_ids, notify)
+        if engine_ids and not self.errored:
+            self._send(RequestType.ABORT, AbortRequests(request_ids=engine_ids))
 
     # -- utility calls --------------------------------------------------------------------------
 
@@ -338,7 +230,10 @@ class AsyncLLM:
     # -- observers ------------------------------------------------------------------------------
 
     def add_stat_logger(self, logger: StatLogger) -> None:
-        self._stat_loggers.append(logger)
+        self._output_processor.stat_loggers.append(logger)
+
+    def remove_stat_logger(self, logger: StatLogger) -> None:
+        self._output_processor.stat_loggers.remove(logger)
 
     def on_engine_dead(self, callback: Callable[[str], None]) -> None:
         """Called once, on the event loop, with the reason, when the engine process dies.
@@ -359,7 +254,7 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._choices)
+        return len(self._output_processor.choices)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -404,14 +299,12 @@ class AsyncLLM:
         return f"the engine process exited with code {self._process.exitcode}"
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
-        now = time.monotonic()
-        for output in message.outputs:
-            choice = self._choices.get(output.request_id)
-            if choice is not None:
-                self._process_output(choice, output, now)
+        stopped = self._output_processor.process_outputs(message.outputs)
+        if stopped:
+            # Ended here by a stop string; the engine would otherwise keep generating.
+            self._send(RequestType.ABORT, AbortRequests(request_ids=stopped))
         if message.stats is not None:
-            for stat_logger in self._stat_loggers:
-                stat_logger.record_engine_stats(message.stats)
+            self._output_processor.record_engine_stats(message.stats)
         if message.utility_result is not None:
             result = message.utility_result
             future = self._utility_calls.pop(result.call_id, None)
@@ -423,71 +316,13 @@ class AsyncLLM:
         if message.engine_dead is not None:
             self._engine_died(f"the engine failed: {message.engine_dead}")
 
-    def _process_output(self, choice: _Choice, output: EngineCoreOutput, now: float) -> None:
-        if output.queue_time is not None:
-            choice.queue_time = output.queue_time
-        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
-        if output.new_prompt_logprobs is not None:
-            chunk = output.new_prompt_logprobs
-            for offset, entry in enumerate(chunk.entries):
-                choice.prompt_logprobs[chunk.start + offset] = entry
-        choice.note_tokens(len(output.new_token_ids), now)
-        finish_reason, stop_reason = output.finish_reason, output.stop_reason
-        stop_string = choice.detokenizer.update(output.new_token_ids)
-        if stop_string is not None and finish_reason is None:
-            finish_reason, stop_reason = "stop", stop_string
-            self._send(RequestType.ABORT, AbortRequests(request_ids=[choice.engine_id]))
-        if not output.new_token_ids and finish_reason is None:
-            return  # a prefill chunk: nothing to show yet
-        choice.sink.put_nowait(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
-                                                   finish_reason, stop_reason))
-        if finish_reason is not None:
-            del self._choices[choice.engine_id]
-            self._record_finished(choice, finish_reason)
-
-    def _stream_output(self, choice: _Choice, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
-                       finish_reason: str | None, stop_reason) -> StreamOutput:
-        prompt_logprobs = None
-        if choice.params.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
-            choice.prompt_logprobs_sent = True
-            prompt_logprobs = [None] + [
-                self._decode_logprobs(choice.prompt_logprobs[pos])
-                for pos in range(1, choice.num_prompt_tokens) if pos in choice.prompt_logprobs
-            ]
-        return StreamOutput(
-            request_id=choice.engine_id,
-            index=choice.index,
-            text=choice.detokenizer.take_new_text(finished=finish_reason is not None),
-            token_ids=list(token_ids),
-            logprobs=None if choice.params.logprobs is None else [self._decode_logprobs(e) for e in logprobs or []],
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            num_prompt_tokens=choice.num_prompt_tokens,
-            num_output_tokens=choice.num_output_tokens,
-            num_cached_tokens=choice.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    def _decode_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        return {
-            token: Logprob(logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))
-            for token, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
-        }
-
-    def _record_finished(self, choice: _Choice, finish_reason: str) -> None:
-        stats = choice.stats(finish_reason)
-        for stat_logger in self._stat_loggers:
-            stat_logger.record_finished_request(stats)
-
     def _engine_died(self, reason: str) -> None:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
         logger.error("%s", reason)
         error = EngineDeadError(reason)
-        for choice in self._choices.values():
-            choice.sink.put_nowait(error)
-        self._choices.clear()
+        self._output_processor.fail_all(error)
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)

@@ -7,7 +7,7 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvpilot.runtime.engine.async_llm import StreamOutput
+from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kvpilot.runtime.server.errors import bad_request

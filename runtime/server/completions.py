@@ -8,7 +8,7 @@ from collections import defaultdict
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvpilot.runtime.engine.async_llm import StreamOutput
+from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.server.errors import bad_request
 from kvpilot.runtime.server.protocol import (

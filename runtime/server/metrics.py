@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvpilot.runtime.config import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.engine.async_llm import FinishedRequestStats
+    from kvpilot.runtime.engine.output_processor import FinishedRequestStats
     from kvpilot.runtime.engine.messages import EngineStats
 
 # Seconds; the ranges of vLLM's buckets, from a fast GPU step to a long CPU generation.

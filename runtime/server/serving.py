@@ -22,7 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.server.errors import APIError, bad_request

@@ -11,7 +11,8 @@ import pytest
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError, FinishedRequestStats
+from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from kvpilot.runtime.engine.output_processor import FinishedRequestStats
 
 PROMPTS = ["The quick brown fox", "To bake a simple loaf of bread", "A cache keeps", "In 1969"]
 
@@ -48,7 +49,7 @@ def stat_logger(engine):
     recorder = RecordingStatLogger()
     engine.add_stat_logger(recorder)
     yield recorder
-    engine._stat_loggers.remove(recorder)
+    engine.remove_stat_logger(recorder)
 
 
 async def _collect(engine, prompt, params, request_id, **kwargs):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.runtime.engine.async_llm import FinishedRequestStats
+from kvpilot.runtime.engine.output_processor import FinishedRequestStats
 from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.server.metrics import ServerMetrics
 

@@ -1,0 +1,216 @@
+"""The API server's side of each request: detokenize, cut at stop strings, decode logprobs, time it.
+
+One ChoiceState per request in the engine (a client request with n choices has n). The
+OutputProcessor turns the engine's per-step outputs into StreamOutput deltas for the request's
+consumer, and reports each finished choice to the stat loggers. It runs on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenizers import Tokenizer
+
+from kvpilot.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.runtime.engine.messages import EngineStats
+from kvpilot.runtime.outputs import EngineCoreOutput, Logprob, TokenLogprobs
+from kvpilot.runtime.request import SamplingParams
+
+
+@dataclass
+class StreamOutput:
+    """What one request (one choice, when n > 1) gained since the previous StreamOutput."""
+
+    request_id: str
+    # Which of the n choices this is (0 when n == 1).
+    index: int
+    text: str
+    token_ids: list[int]
+    # One dict per new token (the sampled token plus the top-N), when logprobs were asked for.
+    logprobs: list[dict[int, Logprob]] | None
+    # "stop" | "length" | "abort" once finished, else None.
+    finish_reason: str | None
+    # The stop token id or stop string that ended it, if any.
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    # Cumulative for this choice.
+    num_output_tokens: int
+    num_cached_tokens: int
+    # Only on the first StreamOutput of a request that asked for prompt_logprobs: [None, {...}, ...].
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished (or aborted) choice, for the metrics; intervals on this process's monotonic clock."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    e2e_latency: float
+    # None when no token was produced.
+    time_to_first_token: float | None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    # Measured inside the EngineCore process; None if never scheduled.
+    queue_time: float | None = None
+    tenant: str | None = None
+
+
+class StatLogger(Protocol):
+    def record_engine_stats(self, stats: EngineStats) -> None: ...
+
+    def record_finished_request(self, stats: FinishedRequestStats) -> None: ...
+
+
+class ChoiceState:
+    """The frontend's state for one request in the engine (one choice of a client request)."""
+
+    def __init__(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
+                 num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: asyncio.Queue,
+                 tenant: str | None) -> None:
+        self.request_id = request_id
+        self.engine_id = engine_id
+        self.index = index
+        self.params = params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.detokenizer = detokenizer
+        self.sink = sink
+        self.tenant = tenant
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: dict[int, TokenLogprobs] = {}
+        self.prompt_logprobs_sent = False
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.inter_token_latencies: list[float] = []
+        self.queue_time: float | None = None
+
+    def note_tokens(self, count: int, now: float) -> None:
+        if count == 0:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            # Tokens arriving together (one step) share the interval.
+            self.inter_token_latencies.extend([(now - self.last_token_time) / count] * count)
+        self.last_token_time = now
+        self.num_output_tokens += count
+
+    def stats(self, finish_reason: str) -> FinishedRequestStats:
+        now = time.monotonic()
+        return FinishedRequestStats(
+            finish_reason=finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            e2e_latency=now - self.arrival,
+            time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
+            inter_token_latencies=self.inter_token_latencies,
+            queue_time=self.queue_time,
+            tenant=self.tenant,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.choices: dict[str, ChoiceState] = {}
+        self.stat_loggers: list[StatLogger] = []
+
+    def engine_ids_of(self, request_ids: set[str]) -> list[str]:
+        return [engine_id for engine_id, choice in self.choices.items() if choice.request_id in request_ids]
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """Deliver one step's outputs; returns the choices a stop string ended, for the engine to abort."""
+        now = time.monotonic()
+        stopped = []
+        for output in outputs:
+            choice = self.choices.get(output.request_id)
+            if choice is not None and self._process_output(choice, output, now):
+                stopped.append(choice.engine_id)
+        return stopped
+
+    def record_engine_stats(self, stats: EngineStats) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_engine_stats(stats)
+
+    def abort(self, engine_ids, notify: bool) -> None:
+        """Forget the choices as aborted; with notify, their consumers get a final "abort" delta."""
+        for engine_id in engine_ids:
+            choice = self.choices.pop(engine_id, None)
+            if choice is None:
+                continue
+            if notify:
+                choice.sink.put_nowait(self._stream_output(choice, [], None, "abort", None))
+            self._record_finished(choice, "abort")
+
+    def fail_all(self, error: BaseException) -> None:
+        for choice in self.choices.values():
+            choice.sink.put_nowait(error)
+        self.choices.clear()
+
+    def _process_output(self, choice: ChoiceState, output: EngineCoreOutput, now: float) -> bool:
+        if output.queue_time is not None:
+            choice.queue_time = output.queue_time
+        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
+        if output.new_prompt_logprobs is not None:
+            chunk = output.new_prompt_logprobs
+            for offset, entry in enumerate(chunk.entries):
+                choice.prompt_logprobs[chunk.start + offset] = entry
+        choice.note_tokens(len(output.new_token_ids), now)
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
+        stop_string = choice.detokenizer.update(output.new_token_ids)
+        stopped_here = stop_string is not None and finish_reason is None
+        if stopped_here:
+            finish_reason, stop_reason = "stop", stop_string
+        if not output.new_token_ids and finish_reason is None:
+            return False  # a prefill chunk: nothing to show yet
+        choice.sink.put_nowait(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
+                                                   finish_reason, stop_reason))
+        if finish_reason is not None:
+            del self.choices[choice.engine_id]
+            self._record_finished(choice, finish_reason)
+        return stopped_here
+
+    def _stream_output(self, choice: ChoiceState, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                       finish_reason: str | None, stop_reason) -> StreamOutput:
+        prompt_logprobs = None
+        if choice.params.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
+            choice.prompt_logprobs_sent = True
+            prompt_logprobs = [None] + [
+                self._decode_logprobs(choice.prompt_logprobs[pos])
+                for pos in range(1, choice.num_prompt_tokens) if pos in choice.prompt_logprobs
+            ]
+        return StreamOutput(
+            request_id=choice.engine_id,
+            index=choice.index,
+            text=choice.detokenizer.take_new_text(finished=finish_reason is not None),
+            token_ids=list(token_ids),
+            logprobs=None if choice.params.logprobs is None else [self._decode_logprobs(e) for e in logprobs or []],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=choice.num_prompt_tokens,
+            num_output_tokens=choice.num_output_tokens,
+            num_cached_tokens=choice.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _decode_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        return {
+            token: Logprob(logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))
+            for token, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+        }
+
+    def _record_finished(self, choice: ChoiceState, finish_reason: str) -> None:
+        stats = choice.stats(finish_reason)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_finished_request(stats)
