@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # module if `python -m` put the working directory on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: test venv serve
+.PHONY: test venv serve chart-sync crd-reference
 
 # The venv is rebuilt whenever the pinned requirements change.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -24,3 +24,12 @@ test: venv
 # The demo model is built into ~/.cache/kvpilot on first use by `serve` itself.
 serve: venv
 	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
+
+# Helm reads no file outside the chart's folder: refresh the chart's copies of crds/ and of
+# operator/rbac.yaml after changing either (tests fail while a copy is stale).
+chart-sync:
+	$(PYTHON) scripts/sync_chart.py
+
+# Regenerate README.md's CRD reference from crds/ (tests fail while it is stale).
+crd-reference: venv
+	$(PY) scripts/crd_reference.py

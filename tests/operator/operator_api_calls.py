@@ -1,0 +1,69 @@
+"""The API rights the real operator uses, recorded from the requests the emulated API server
+receives in a scenario that runs each code path, and the rights a list of RBAC PolicyRules grants.
+Both are sets of (apiGroup, resource[/subresource], verb), as the API server's authorizer sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from operator_harness import NAMESPACE, TEST_CLIENT, Cluster, child, cluster, created, eventually, operator, phase_is, run
+
+Right = tuple[str, str, str]
+
+
+def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def recorded_calls(tmp_path: Path) -> set[Right]:
+    """Every right the operator needs while it creates an engine's children (ServiceMonitor
+    included), follows a spec change and a rollout, and recreates a deleted Deployment."""
+    async def scenario() -> set[Right]:
+        async with cluster(tmp_path, service_monitors=True) as k, operator():
+            await created(k)
+            await eventually(lambda: child(k, "ServiceMonitor"), "every child")
+            await k.update_engine("qwen", lambda spec: spec.update(image="ghcr.io/kvpilot/kvpilot:0.2.0"))
+            await eventually(lambda: k.deployment("qwen")["metadata"]["generation"] == 2, "the new template")
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 2), "Ready")
+            await k.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/qwen")
+            await eventually(lambda: k.deployment("qwen"), "the recreated Deployment")
+            return used(k)
+
+    return run(scenario())
+
+
+def used(k: Cluster) -> set[Right]:
+    """The rights of every API request the operator made."""
+    found = set()
+    for request in k.server:
+        if request.headers.get("User-Agent") == TEST_CLIENT or request.resource is None or not request.resource.plural:
+            continue  # the tests' own requests, and discovery (open to every account)
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        for verb in _verbs(request):
+            found.add((request.resource.group, resource, verb))
+    return found
+
+
+def _verbs(request: Any) -> list[str]:
+    if request.method == "GET":
+        return ["watch" if request.params.get("watch") == "true" else "get" if request.name else "list"]
+    if request.method == "POST":
+        return ["create"]
+    if request.method == "PATCH":
+        # A server-side apply that creates its object is authorized as create too.
+        applied_anew = request.headers.get("Content-Type", "").startswith("application/apply-patch") \
+            and request.action == "CREATE"
+        return ["patch", "create"] if applied_anew else ["patch"]
+    if request.method == "DELETE":
+        return ["delete"]
+    raise AssertionError(f"unexpected request {request.method} {request.url}")
