@@ -153,6 +153,9 @@ class EngineArgs:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be at least 1, got {self.max_num_batched_tokens}")
         _require(max_model_len >= 1, "max_model_len", f"must be at least 1, got {max_model_len}")
+        # Rotary tables stop at the model's own limit; positions beyond it have no embedding.
+        _require(max_model_len <= model.max_position_embeddings, "max_model_len",
+                 f"{max_model_len} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                  f"must be non-negative, got {self.long_prefill_token_threshold}")
         _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",

@@ -95,7 +95,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        if scheduler_output.is_empty and not (scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
             # Every request fits the pool on its own (validate), so an idle step means a scheduler bug;
             # failing beats spinning forever.
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")

@@ -114,6 +114,7 @@ def test_unknown_engine_argument_is_named(tiny_llama_dir):
         ({"dtype": "int8"}, "dtype"),
         ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 10**6}, "max_position_embeddings"),
     ],
 )
 def test_bad_engine_arguments_name_the_field(tiny_llama_dir, kwargs, message):
