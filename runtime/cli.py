@@ -160,7 +160,7 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 # The serve flags that are EngineArgs fields, under the same (vLLM) names.
 _ENGINE_FLAGS = (
     "dtype", "seed", "block_size", "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-    "gpu_memory_utilization",
+    "gpu_memory_utilization", "tensor_parallel_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
     "scheduling_policy",
 )
@@ -203,7 +203,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
     engine = sub.add_argument_group("engine")
     engine.add_argument("--tensor-parallel-size", metavar="N", type=_positive_int, default=1,
-                        help="tensor-parallel ranks (only 1 for now)")
+                        help="tensor-parallel ranks: worker processes, one GPU each on CUDA")
     engine.add_argument("--dtype", choices=DTYPES, default=_ENGINE_DEFAULTS["dtype"], help="weight and activation dtype")
     engine.add_argument("--seed", metavar="N", type=int, default=_ENGINE_DEFAULTS["seed"], help="engine seed")
     engine.add_argument("--block-size", metavar="N", type=_positive_int, default=_ENGINE_DEFAULTS["block_size"],
@@ -233,9 +233,6 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.tensor_parallel_size != 1:
-        parser.error(f"argument --tensor-parallel-size: tensor parallelism is not implemented yet "
-                     f"(only 1 is supported), got {args.tensor_parallel_size}")
     if args.trust_tenant_header and args.tenants_file is None:
         parser.error("argument --trust-tenant-header: needs --tenants-file (the header names a tenant from it)")
     # Imported per call: the server stack (and, through AsyncLLM, torch) loads only for `serve`.

@@ -125,6 +125,7 @@ class EngineArgs:
     model: str
     dtype: str = "float32"
     seed: int = 0
+    tensor_parallel_size: int = 1
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
@@ -149,6 +150,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or model.max_position_embeddings
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                  f"must be a power of two up to 128, got {self.block_size}")
+        _check_tensor_parallel(model, self.tensor_parallel_size)
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be at least 1, got {self.max_num_batched_tokens}")
@@ -184,7 +186,16 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
+
+
+def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
+    _require(size >= 1, "tensor_parallel_size", f"must be at least 1, got {size}")
+    # Every rank holds whole heads; KV heads are split too, not replicated.
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(model, name)
+        _require(value % size == 0, "tensor_parallel_size", f"{size} does not divide the model's {name} ({value})")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -198,3 +209,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    tensor_parallel_size: int = 1

@@ -111,12 +111,13 @@ class BlockPool:
         blocks = []
         for _ in range(num):
             block = self.free_block_queue.popleft()
-            self._evict(block)
+            self.evict(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def evict(self, block: KVCacheBlock) -> None:
+        """Take the block out of the hash map, if it is there."""
         if block.block_hash is None:
             return
         del self.cached_block_hash_to_block[block.block_hash]

@@ -104,6 +104,10 @@ class KVCacheManager:
         if blocks is None:
             return
         del self.num_cached_blocks[request.request_id]
+        # Blocks are published when scheduled. A request preempted in the step that scheduled
+        # them never computed them: past its computed prefix, nothing may stay findable.
+        for block in blocks[request.num_computed_tokens // self.block_size:]:
+            self.block_pool.evict(block)
         # Reversed, so the request's tail blocks, the least likely to be shared, go first.
         self.block_pool.free_blocks(reversed(blocks))
 

@@ -9,6 +9,7 @@ then happens on the loop, so no state is shared between threads.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import logging
@@ -76,6 +77,7 @@ class AsyncLLM:
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        self._generate_calls = itertools.count()
         self._dead_reason: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_thread: threading.Thread | None = None
@@ -95,9 +97,12 @@ class AsyncLLM:
         self._output.bind(output_address)
         self._process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(engine_args, input_address, output_address),
-            name="kvpilot-engine-core", daemon=True,
+            # Not a daemon: a daemonic process may not start the TP worker processes. The engine
+            # leaves on its own when this process dies, and atexit stops it on a normal exit.
+            name="kvpilot-engine-core", daemon=False,
         )
         self._process.start()
+        atexit.register(self.shutdown)
         try:
             self._wait_for_handshake(startup_timeout)
         except BaseException:
@@ -163,9 +168,12 @@ class AsyncLLM:
         self._start_output_thread()
         self._raise_if_dead()
         self.validate(prompt_token_ids, params)
-        engine_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        if any(engine_id in self._output_processor.choices for engine_id in engine_ids):
+        if self._output_processor.engine_ids_of({request_id}):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        # Unique per call: outputs the engine sent for an earlier request with the same id, before
+        # it saw that request's ABORT, can never land in this one.
+        call = next(self._generate_calls)
+        engine_ids = [f"{request_id}-{call}-{index}" for index in range(params.n)]
 
         sink: asyncio.Queue = asyncio.Queue()
         # Every child is built and encoded before any is sent: a failure leaves nothing behind.
@@ -181,8 +189,8 @@ class AsyncLLM:
                                  tenant)
             children.append((choice, message))
         for choice, message in children:
-            self._output_processor.choices[choice.engine_id] = choice
             self._send_encoded(RequestType.ADD, message)
+            self._output_processor.choices[choice.engine_id] = choice
         unfinished = set(engine_ids)
         try:
             while unfinished:
@@ -262,7 +270,12 @@ class AsyncLLM:
         self._send_encoded(request_type, msgspec.msgpack.encode(message))
 
     def _send_encoded(self, request_type: RequestType, payload: bytes) -> None:
-        self._input.send_multipart([self._engine_identity, request_type.value, payload])
+        try:
+            self._input.send_multipart([self._engine_identity, request_type.value, payload])
+        except zmq.ZMQError as err:
+            # ROUTER_MANDATORY: the engine's socket is gone, before the liveness watch noticed.
+            self._engine_died(f"the engine is unreachable: {err}")
+            raise EngineDeadError(self._dead_reason) from None
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:
@@ -337,7 +350,7 @@ class AsyncLLM:
         self._closed = True
         if self._process.is_alive() and hasattr(self, "_engine_identity"):
             try:
-                self._send(RequestType.SHUTDOWN, None)
+                self._input.send_multipart([self._engine_identity, RequestType.SHUTDOWN.value, b""])
             except zmq.ZMQError:
                 pass  # already unreachable: the kill below still ends it
         self._process.join(timeout)

@@ -11,14 +11,14 @@ from typing import Iterable
 
 import torch
 
-from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
 from kvpilot.runtime.core.sched.scheduler import Scheduler
 from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.engine.validation import validate_request
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request, RequestStatus
-from kvpilot.runtime.worker.model_runner import ModelRunner
+from kvpilot.runtime.worker.executor import create_executor
 
 
 def default_device() -> torch.device:
@@ -28,9 +28,9 @@ def default_device() -> torch.device:
 class EngineCore:
     def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config, device or default_device())
+        self.executor = create_executor(config, device or default_device())
         self.num_kv_blocks = self._num_kv_blocks()
-        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -42,30 +42,13 @@ class EngineCore:
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        budget = self._kv_cache_budget_bytes()
+        budget = self.executor.kv_cache_budget_bytes()
         # More than every sequence at full length (plus the null block) could never be used.
         enough = sched.max_num_seqs * -(-sched.max_model_len // cache.block_size) + 1
-        num_blocks = min(budget // self.model_runner.kv_cache_bytes_per_block(), enough)
+        num_blocks = min(budget // self.executor.kv_cache_bytes_per_block(), enough)
         if num_blocks < 2:
             raise ValueError(f"the KV-cache budget of {budget} bytes is too small for one KV block")
         return num_blocks
-
-    def _kv_cache_budget_bytes(self) -> int:
-        cache = self.config.cache
-        if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes
-        if self.model_runner.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        # The weights are loaded by now, so what the device already holds is theirs (and other
-        # processes'). Activation peaks are not profiled yet: leave headroom in the fraction.
-        free, total = torch.cuda.mem_get_info(self.model_runner.device)
-        budget = int(total * cache.gpu_memory_utilization) - (total - free)
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no room for the KV cache: "
-                f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are already in use"
-            )
-        return budget
 
     def validate(self, prompt_token_ids: list[int], params) -> None:
         validate_request(
@@ -100,7 +83,7 @@ class EngineCore:
             # failing beats spinning forever.
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")
         self._note_queue_times(scheduler_output)
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         for output in outputs:
             output.queue_time = self._queue_times.pop(output.request_id, None)
@@ -119,6 +102,9 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

@@ -65,7 +65,10 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         from kvpilot.runtime.engine.core import EngineCore
 
         core = EngineCore(engine_args.create_engine_config())
-        _EngineLoop(core, context, input_address, outputs).run()
+        try:
+            _EngineLoop(core, context, input_address, outputs).run()
+        finally:
+            core.shutdown()
     except BaseException as exc:  # noqa: BLE001 - whatever kills the engine is reported, then we exit
         logger.error("engine core failed:\n%s", traceback.format_exc())
         outputs.put(EngineCoreOutputs(engine_dead=f"{type(exc).__name__}: {exc}"))

@@ -169,8 +169,10 @@ class OutputProcessor:
         choice.note_tokens(len(output.new_token_ids), now)
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         stop_string = choice.detokenizer.update(output.new_token_ids)
+        # Only a request the engine still runs needs aborting; either way the stop string is
+        # why it ended, even when the same token also reached max_tokens.
         stopped_here = stop_string is not None and finish_reason is None
-        if stopped_here:
+        if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string
         if not output.new_token_ids and finish_reason is None:
             return False  # a prefill chunk: nothing to show yet
@@ -191,7 +193,7 @@ class OutputProcessor:
                 for pos in range(1, choice.num_prompt_tokens) if pos in choice.prompt_logprobs
             ]
         return StreamOutput(
-            request_id=choice.engine_id,
+            request_id=choice.request_id,
             index=choice.index,
             text=choice.detokenizer.take_new_text(finished=finish_reason is not None),
             token_ids=list(token_ids),

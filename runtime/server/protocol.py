@@ -24,11 +24,35 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # -- requests -------------------------------------------------------------------------------------
 
 
+class RequestBody(BaseModel):
+    """A request body; its text must be encodable, which JSON's "\\ud800" escapes are not."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_unicode(data)
+        return data
+
+
+def _check_unicode(value) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode: it holds a lone surrogate") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestBody):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
@@ -162,7 +186,7 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -176,12 +200,12 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
 
-class SchedulingPolicyRequest(BaseModel):
+class SchedulingPolicyRequest(RequestBody):
     policy: str
 
     @field_validator("policy")

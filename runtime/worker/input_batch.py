@@ -61,20 +61,23 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        if params.seed is not None:
+        # A request resumed after preemption keeps its generator: its random stream goes on.
+        if params.seed is not None and new.req_id not in self.generators:
             self.generators[new.req_id] = torch.Generator().manual_seed(params.seed)
         if params.logprobs is not None:
             self.num_logprobs[new.req_id] = params.logprobs
         if params.prompt_logprobs is not None:
             self.num_prompt_logprobs[new.req_id] = params.prompt_logprobs
 
-    def remove_request(self, req_id: str) -> None:
+    def remove_request(self, req_id: str, preempted: bool = False) -> None:
+        """Drop the request's row; a preempted request keeps its generator for when it resumes."""
+        if not preempted:
+            self.generators.pop(req_id, None)
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
         self.req_ids[row] = None
         self._holes.append(row)
-        self.generators.pop(req_id, None)
         self.num_logprobs.pop(req_id, None)
         self.num_prompt_logprobs.pop(req_id, None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.layers.attention import AttentionMetadata, get_attention_backend
 from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -16,6 +16,8 @@ from kvpilot.runtime.worker.input_batch import InputBatch
 
 
 class ModelRunner:
+    """One rank's model, KV cache and persistent batch; with TP 1 it is the whole executor."""
+
     def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str = "auto") -> None:
         self.config = config
         self.device = device
@@ -36,12 +38,33 @@ class ModelRunner:
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * element_size
         return per_layer * len(self.model.attention_layers)
 
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes this rank can give the KV cache: the configured budget, or what the device has left."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        # The weights are loaded by now, so what the device already holds is theirs (and other
+        # processes'). Activation peaks are not profiled yet: leave headroom in the fraction.
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * cache.gpu_memory_utilization) - (total - free)
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no room for the KV cache: "
+                f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are already in use"
+            )
+        return budget
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         for layer in self.model.attention_layers:
             layer.kv_cache = torch.zeros(
                 2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
                 dtype=self.config.model.torch_dtype, device=self.device,
             )
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives in its caller's process."""
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -82,8 +105,10 @@ class ModelRunner:
         )
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+        for req_id in scheduler_output.finished_req_ids:
             self.batch.remove_request(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            self.batch.remove_request(req_id, preempted=True)
         for new in scheduler_output.scheduled_new_reqs:
             self.batch.add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:

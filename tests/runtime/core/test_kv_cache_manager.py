@@ -368,3 +368,20 @@ def test_extend_block_hashes_chains_full_blocks_only_and_is_incremental() -> Non
 def test_unhashable_extra_keys_are_rejected() -> None:
     with pytest.raises(TypeError):
         hash_block_tokens(None, [1], (object(),))
+
+
+def test_blocks_scheduled_but_never_computed_do_not_stay_in_the_cache() -> None:
+    # A priority victim can be preempted in the very step that scheduled (and published) its
+    # blocks; the runner never writes their KV, so no later request may hit them.
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    victim = Request("victim", list(range(10)), SamplingParams(max_tokens=4))
+    manager.allocate_slots(victim, 10)
+    manager.free(victim)
+    assert manager.get_computed_blocks(Request("next", list(range(10)), SamplingParams(max_tokens=4))) == ([], 0)
+
+    finished = Request("done", list(range(10)), SamplingParams(max_tokens=4))
+    manager.allocate_slots(finished, 10)
+    finished.num_computed_tokens = 10
+    manager.free(finished)
+    blocks, hit = manager.get_computed_blocks(Request("after", list(range(10)), SamplingParams(max_tokens=4)))
+    assert hit == 8 and len(blocks) == 2

@@ -206,3 +206,19 @@ def test_the_api_process_side_never_imports_torch():
 
     code = "import sys, kvpilot.runtime.engine.async_llm; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode == 0
+
+
+def test_a_reused_request_id_never_receives_the_old_requests_tokens(engine, loop):
+    async def scenario():
+        counts = []
+        for _ in range(10):
+            old = engine.generate(engine.encode(PROMPTS[0]), _greedy(max_tokens=400), "again")
+            async for output in old:
+                if output.num_output_tokens >= 3:
+                    break
+            await old.aclose()  # the engine may still send a step or two for the old request
+            outputs = [o async for o in engine.generate(engine.encode(PROMPTS[1]), _greedy(max_tokens=2), "again")]
+            counts.append((sum(len(o.token_ids) for o in outputs), outputs[-1].num_output_tokens))
+        return counts
+
+    assert loop.run_until_complete(scenario()) == [(2, 2)] * 10

@@ -6,51 +6,14 @@ of prompts of mixed lengths decoded together.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
 
+from hf_oracle import NEW_TOKENS, HFOracle, random_prompts
 from kvpilot.runtime import LLM, SamplingParams
 
-NEW_TOKENS = 32
 PROMPT_LENGTHS = [1, 3, 17, 40, 64, 99, 150, 200]
 SHARED_PREFIX_LEN = 100
-
-
-def _random_prompts(lengths: list[int], vocab_size: int, seed: int, prefix: list[int] = ()) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [list(prefix) + [rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
-
-
-class HFOracle:
-    """Greedy continuations and raw logits from transformers, memoised per prompt."""
-
-    def __init__(self, model_dir: str) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self._cache: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
-
-    def greedy(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-        """Returns (new token ids, logits [NEW_TOKENS, vocab]); EOS does not stop it (eos_token_id=[])."""
-        key = tuple(prompt)
-        if key not in self._cache:
-            config = GenerationConfig(
-                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True,
-            )
-            input_ids = torch.tensor([prompt])
-            with torch.no_grad():
-                # An explicit mask: otherwise prompt tokens equal to pad_token_id are taken for padding.
-                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                          generation_config=config)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            self._cache[key] = tokens, torch.cat(out.logits).float()
-        return self._cache[key]
-
-    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return self.model(torch.tensor([prompt])).logits[0].float()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -83,7 +46,7 @@ ENGINE_CONFIGS = {
 def test_greedy_matches_transformers(checkpoint, config_name):
     model_dir, oracle = checkpoint
     llm = LLM(model_dir, **ENGINE_CONFIGS[config_name])
-    prompts = _random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=1)
+    prompts = random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=1)
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
 
 
@@ -91,7 +54,7 @@ def test_greedy_matches_under_preemption(checkpoint):
     model_dir, oracle = checkpoint
     # 8 sequences of up to 232 tokens want ~75 blocks of 16; 24 blocks force recompute preemption.
     llm = LLM(model_dir, num_gpu_blocks_override=24)
-    prompts = _random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=2)
+    prompts = random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=2)
     outputs = llm.generate(prompts, _greedy())
     assert llm.get_stats().num_preemptions > 0
     _assert_matches_oracle(oracle, prompts, outputs)
@@ -101,8 +64,8 @@ def test_greedy_matches_under_preemption(checkpoint):
 def test_prefix_caching_on_and_off_agree(checkpoint):
     model_dir, oracle = checkpoint
     vocab = LLM(model_dir, num_gpu_blocks_override=8).config.model.vocab_size
-    prefix = _random_prompts([SHARED_PREFIX_LEN], vocab, seed=3)[0]
-    prompts = _random_prompts([1, 5, 20, 33, 60, 2, 9, 14], vocab, seed=4, prefix=prefix)
+    prefix = random_prompts([SHARED_PREFIX_LEN], vocab, seed=3)[0]
+    prompts = random_prompts([1, 5, 20, 33, 60, 2, 9, 14], vocab, seed=4, prefix=prefix)
     results = {}
     for caching in (True, False):
         llm = LLM(model_dir, enable_prefix_caching=caching)
@@ -121,7 +84,7 @@ def test_prefix_caching_on_and_off_agree(checkpoint):
 def test_priority_policy_with_mixed_priorities(checkpoint):
     model_dir, oracle = checkpoint
     llm = LLM(model_dir, scheduling_policy="priority", max_num_seqs=3, num_gpu_blocks_override=24)
-    prompts = _random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=5)
+    prompts = random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=5)
     outputs = llm.generate(prompts, _greedy(), priority=[3, -1, 0, 2, 1, 0, -5, 4])
     _assert_matches_oracle(oracle, prompts, outputs)
 
@@ -130,14 +93,14 @@ def test_llama3_rope_scaling_matches_transformers(tiny_llama3_rope_dir):
     oracle = HFOracle(str(tiny_llama3_rope_dir))
     llm = LLM(str(tiny_llama3_rope_dir), block_size=8)
     # Long enough to reach positions where the scaled frequencies differ from plain RoPE.
-    prompts = _random_prompts([300, 7], llm.config.model.vocab_size, seed=6)
+    prompts = random_prompts([300, 7], llm.config.model.vocab_size, seed=6)
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
 
 
 def test_logprobs_close_to_transformers(checkpoint):
     model_dir, oracle = checkpoint
     llm = LLM(model_dir, max_num_batched_tokens=32)
-    prompts = _random_prompts([4, 45, 130], llm.config.model.vocab_size, seed=7)
+    prompts = random_prompts([4, 45, 130], llm.config.model.vocab_size, seed=7)
     outputs = llm.generate(prompts, _greedy(logprobs=5))
     for prompt, output in zip(prompts, outputs):
         expected_tokens, logits = oracle.greedy(prompt)
@@ -161,7 +124,7 @@ def test_prompt_logprobs_close_to_transformers(checkpoint):
     model_dir, oracle = checkpoint
     # Chunked prefill: the prompt logprobs arrive in several pieces.
     llm = LLM(model_dir, max_num_batched_tokens=16)
-    prompt = _random_prompts([50], llm.config.model.vocab_size, seed=8)[0]
+    prompt = random_prompts([50], llm.config.model.vocab_size, seed=8)[0]
     output = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
     reference = torch.log_softmax(oracle.prompt_logits(prompt), dim=-1)
     assert output.prompt_logprobs[0] is None

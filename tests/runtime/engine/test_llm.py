@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.request import Request
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,52 @@ def test_n_choices_are_seeded_one_after_another(llm):
 
 def test_kv_pool_is_sized_from_the_memory_budget(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), kv_cache_memory_bytes=2**20, max_model_len=64)
-    per_block = llm.engine.model_runner.kv_cache_bytes_per_block()
+    per_block = llm.engine.executor.kv_cache_bytes_per_block()
     assert llm.engine.num_kv_blocks == 2**20 // per_block
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(str(tiny_llama_dir), gpu_memory_utilization=1.5)
+
+
+def test_a_priority_victim_resumes_on_correct_kv(tiny_llama_dir):
+    # B and C outrank A; admitting them in a tiny pool preempts A in the step that had just
+    # scheduled (and published to the prefix cache) its next prompt chunk. A must not come back
+    # on those never-computed blocks: with caching on, its output equals its output alone.
+    def run(blocks: int, with_others: bool, caching: bool = True):
+        llm = LLM(str(tiny_llama_dir), block_size=4, num_gpu_blocks_override=blocks, max_model_len=64,
+                  long_prefill_token_threshold=8, scheduling_policy="priority", enable_prefix_caching=caching)
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        engine, outputs = llm.engine, {}
+        engine.add_request(Request("A", [10 + i for i in range(24)], SamplingParams(max_tokens=4, **greedy),
+                                   priority=5, arrival_time=0.0, max_model_len=64))
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if with_others:
+            engine.add_request(Request("B", [50, 51, 52, 53], SamplingParams(max_tokens=8, **greedy),
+                                       priority=0, arrival_time=1.0, max_model_len=64))
+            engine.add_request(Request("C", [60, 61, 62], SamplingParams(max_tokens=2, **greedy),
+                                       priority=0, arrival_time=1.5, max_model_len=64))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        return outputs["A"], engine.scheduler.num_preemptions
+
+    alone, _ = run(blocks=64, with_others=False)
+    squeezed, preemptions = run(blocks=9, with_others=True)
+    assert preemptions > 0
+    assert squeezed == alone == run(blocks=9, with_others=True, caching=False)[0]
+
+
+def test_a_seeded_request_draws_the_same_tokens_across_a_preemption(tiny_llama_dir):
+    def run(blocks: int, with_hog: bool):
+        llm = LLM(str(tiny_llama_dir), block_size=4, num_gpu_blocks_override=blocks, max_model_len=64,
+                  enable_prefix_caching=False)
+        prompts = [list(range(10, 30)), list(range(40, 50))] if with_hog else [list(range(40, 50))]
+        # The hog is admitted first, so FCFS preempts the seeded request when blocks run out.
+        params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)][-len(prompts):]
+        return llm.generate(prompts, params)[-1].outputs[0].token_ids, llm.get_stats().num_preemptions
+
+    alone, _ = run(blocks=64, with_hog=False)
+    squeezed, preemptions = run(blocks=13, with_hog=True)
+    assert preemptions > 0
+    assert squeezed == alone

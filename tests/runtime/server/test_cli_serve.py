@@ -25,7 +25,7 @@ def _usage_error(capsys, *argv: str) -> str:
 
 
 @pytest.mark.parametrize("argv, complaint", [
-    (["--tensor-parallel-size", "2"], "argument --tensor-parallel-size: tensor parallelism is not implemented"),
+    (["--tensor-parallel-size", "0"], "argument --tensor-parallel-size: must be a positive integer"),
     (["--trust-tenant-header"], "argument --trust-tenant-header: needs --tenants-file"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive integer"),
     (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice"),
@@ -50,13 +50,15 @@ def test_a_folder_without_a_model_is_refused(capsys, tmp_path):
 
 def test_engine_limits_are_checked_before_the_engine_starts(capsys, tiny_llama_dir):
     assert "block_size" in _usage_error(capsys, str(tiny_llama_dir), "--block-size", "3")
+    assert "tensor_parallel_size 3 does not divide" in _usage_error(
+        capsys, str(tiny_llama_dir), "--tensor-parallel-size", "3")
 
 
 def test_the_console_script_and_python_m_both_run_the_cli():
     script = Path(sys.executable).with_name("kvpilot")
-    result = subprocess.run([str(script), "serve", "--tensor-parallel-size", "4"], capture_output=True, text=True,
+    result = subprocess.run([str(script), "serve", "--max-num-seqs", "0"], capture_output=True, text=True,
                             timeout=120)
-    assert result.returncode == 2 and "--tensor-parallel-size" in result.stderr
+    assert result.returncode == 2 and "--max-num-seqs" in result.stderr
     result = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--help"], capture_output=True,
                             text=True, timeout=120, env={"PYTHONSAFEPATH": "1", "PATH": ""})
     assert result.returncode == 0 and "--served-model-name" in result.stdout

@@ -92,3 +92,17 @@ def test_chat_deltas_carry_only_what_changed():
     assert ChatDelta().model_dump() == {}
     assert ChatDelta(content="x").model_dump() == {"content": "x"}
     assert ChatDelta(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "\ud800"},
+    {"prompt": "ok", "stop": ["fine", "\udfff"]},
+])
+def test_lone_surrogates_are_refused(body):
+    with pytest.raises(ValidationError, match="lone surrogate"):
+        CompletionRequest.model_validate(body)
+
+
+def test_lone_surrogates_in_chat_messages_are_refused():
+    with pytest.raises(ValidationError, match="lone surrogate"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "\ud800"}]})
