@@ -55,7 +55,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     context = zmq.Context()
     outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
-    output_thread = threading.Thread(target=_send_outputs, args=(context, output_address, outputs),
+    output_thread = threading.Thread(target=_send_outputs, args=(output_address, outputs),
                                      name="engine-output", daemon=True)
     output_thread.start()
     exit_code = 0
@@ -78,14 +78,17 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     os._exit(exit_code)
 
 
-def _send_outputs(context: zmq.Context, address: str, outputs: queue.Queue) -> None:
+def _send_outputs(address: str, outputs: queue.Queue) -> None:
+    # A context of its own, so that terminating it flushes exactly this socket: the last message
+    # (often why the engine is exiting) must reach the API server before the process ends.
+    context = zmq.Context()
     socket = context.socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, 2000)
     socket.connect(address)
     encoder = msgspec.msgpack.Encoder()
     while (message := outputs.get()) is not None:
         socket.send(encoder.encode(message), copy=False)
-    socket.close()
+    socket.close(linger=2000)
+    context.term()
 
 
 class _EngineLoop:

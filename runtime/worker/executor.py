@@ -142,8 +142,12 @@ class MultiprocExecutor:
 
     def _fail(self, error: RuntimeError | None) -> None:
         """Stop every worker and raise; a dead rank explains its peers' failed collectives."""
-        # A killed worker's sockets close a moment before its exit can be collected.
-        wait([worker.sentinel for worker in self._workers], timeout=1.0)
+        # A killed worker's sockets close a moment before its exit status can be collected:
+        # wait for the exits that are under way, then read their codes.
+        exiting = set(wait([worker.sentinel for worker in self._workers], timeout=1.0))
+        for worker in self._workers:
+            if worker.sentinel in exiting:
+                worker.join()
         dead = [(rank, w.exitcode) for rank, w in enumerate(self._workers) if w.exitcode not in (None, 0)]
         self.shutdown()
         if dead:
