@@ -1,0 +1,100 @@
+"""Serving throughput over HTTP: the same requests one at a time vs all at once, side by side.
+
+Starts `kvpilot serve` on a tiny checkpoint, then sends N streaming completions twice: sequentially,
+and concurrently (continuous batching folds them into shared steps). Reports generated tokens/s
+of each and their ratio.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/serving_throughput.py [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from kvpilot.runtime.tiny_model import make_tiny_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+    return tokens
+
+
+async def _measure(base_url: str, prompts: list[str], max_tokens: int, concurrent: bool) -> float:
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        await _complete(client, prompts[0], 4)  # warm-up
+        start = time.perf_counter()
+        if concurrent:
+            counts = await asyncio.gather(*(_complete(client, p, max_tokens) for p in prompts))
+        else:
+            counts = [await _complete(client, p, max_tokens) for p in prompts]
+        return sum(counts) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    model_dir = args.model or str(make_tiny_model(
+        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
+        num_kv_heads=2, vocab_size=2048))
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvpilot.runtime.cli", "serve", model_dir, "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", "bench"],
+        env={**os.environ, "PYTHONSAFEPATH": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        prompts = [f"Request {i}: the morning train to the coast was late again, so" for i in range(args.num_requests)]
+        sequential = asyncio.run(_measure(base_url, prompts, args.max_tokens, concurrent=False))
+        concurrent = asyncio.run(_measure(base_url, prompts, args.max_tokens, concurrent=True))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print(f"model: {model_dir}")
+    print()
+    print("| workload | concurrent | one at a time | speed-up |")
+    print("|---|---|---|---|")
+    print(f"| {args.num_requests} streaming completions x {args.max_tokens} tokens over HTTP | "
+          f"{concurrent:.0f} tok/s | {sequential:.0f} tok/s | {concurrent / sequential:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
