@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -179,21 +180,11 @@ def make_tiny_model(
     llama3_rope_scaling: bool = False,
 ) -> Path:
     """Write a loadable LlamaForCausalLM / Qwen2ForCausalLM checkpoint with tokenizer to `out_dir`."""
-    _check_args(arch, num_layers, hidden_size, num_heads, num_kv_heads, vocab_size, llama3_rope_scaling)
+    shape = _Shape(arch, num_layers, hidden_size, num_heads, num_kv_heads, vocab_size, llama3_rope_scaling)
+    shape.check()
     tokenizer = train_tokenizer(vocab_size)
     special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = _model_config(
-        arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        vocab_size=vocab_size,
-        llama3_rope_scaling=llama3_rope_scaling,
-        bos_token_id=special_ids[BOS],
-        eos_token_id=special_ids[EOS],
-        pad_token_id=special_ids[PAD],
-    )
+    config = _model_config(shape, special_ids)
     # fork_rng keeps the caller's global RNG untouched while the seed fixes every weight.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -243,77 +234,65 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _check_args(
-    arch: str,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    vocab_size: int,
-    llama3_rope_scaling: bool,
-) -> None:
-    if arch not in ARCHS:
-        raise TinyModelError("arch", f"arch={arch!r} is not one of {', '.join(ARCHS)}")
-    sizes = {
-        "num_layers": num_layers,
-        "hidden_size": hidden_size,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-    }
-    for name, value in sizes.items():
-        if value < 1:
-            raise TinyModelError(name, f"{name}={value} must be at least 1")
-    if hidden_size % num_heads:
-        raise TinyModelError(
-            "hidden_size", f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}"
-        )
-    if num_heads % num_kv_heads:
-        raise TinyModelError(
-            "num_heads", f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
-        )
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise TinyModelError(
-            "vocab_size",
-            f"vocab_size={vocab_size} is too small: 256 byte tokens + {len(SPECIAL_TOKENS)} special "
-            f"tokens need at least {MIN_VOCAB_SIZE}",
-        )
-    if llama3_rope_scaling and arch != "llama":
-        raise TinyModelError(
-            "llama3_rope_scaling", f"llama3 rope scaling is only for arch 'llama', not {arch!r}"
-        )
+@dataclass(frozen=True)
+class _Shape:
+    """The architecture knobs of a tiny checkpoint, checked before anything is written."""
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    llama3_rope_scaling: bool
+
+    def check(self) -> None:
+        if self.arch not in ARCHS:
+            raise TinyModelError("arch", f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if value < 1:
+                raise TinyModelError(name, f"{name}={value} must be at least 1")
+        if self.hidden_size % self.num_heads:
+            raise TinyModelError(
+                "hidden_size", f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise TinyModelError(
+                "num_heads", f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise TinyModelError(
+                "vocab_size",
+                f"vocab_size={self.vocab_size} is too small: 256 byte tokens + {len(SPECIAL_TOKENS)} special "
+                f"tokens need at least {MIN_VOCAB_SIZE}",
+            )
+        if self.llama3_rope_scaling and self.arch != "llama":
+            raise TinyModelError(
+                "llama3_rope_scaling", f"llama3 rope scaling is only for arch 'llama', not {self.arch!r}"
+            )
 
 
-def _model_config(
-    arch: str,
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    vocab_size: int,
-    llama3_rope_scaling: bool,
-    bos_token_id: int,
-    eos_token_id: int,
-    pad_token_id: int,
-) -> PreTrainedConfig:
+def _model_config(shape: _Shape, special_ids: dict[str, int]) -> PreTrainedConfig:
+    hidden_size = shape.hidden_size
     common = dict(
-        vocab_size=vocab_size,
+        vocab_size=shape.vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         # Fan-in scaled init: every projection of a unit-RMS input has ~unit-variance outputs, so
         # attention scores (q.k / sqrt(head_dim)) have std ~1 -- the softmax neither averages
         # uniformly nor picks one key -- and the residual stream grows only like sqrt(layers).
         initializer_range=hidden_size**-0.5,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
+        bos_token_id=special_ids[BOS],
+        eos_token_id=special_ids[EOS],
+        pad_token_id=special_ids[PAD],
     )
     # Theta and eps differ per arch (and from the transformers defaults) so an engine must read them.
-    if arch == "qwen2":
+    if shape.arch == "qwen2":
         return Qwen2Config(
             **common,
             rms_norm_eps=1e-6,
@@ -321,7 +300,7 @@ def _model_config(
             tie_word_embeddings=True,
         )
     rope = {"rope_type": "default", "rope_theta": 10_000.0}
-    if llama3_rope_scaling:
+    if shape.llama3_rope_scaling:
         # original_max_position_embeddings is tiny so that, with head_dim 16, the slowest
         # frequencies fall in the scaled and interpolated bands at positions tests reach.
         rope.update(

@@ -31,6 +31,12 @@ class AttentionMetadata:
     # Host copies, so that a backend looping over requests never waits on the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Requests with one query token this step (decoding), and the token rows of those queries;
+    # computed once per step rather than once per layer.
+    decode_reqs: torch.Tensor
+    decode_tokens: torch.Tensor
+    # The other requests (prefill chunks), by index.
+    prefill_reqs: list[int]
 
     @property
     def num_reqs(self) -> int:
@@ -65,15 +71,13 @@ class TorchPagedAttention:
         value_cache.view(-1, *v.shape[1:]).index_copy_(0, metadata.slot_mapping, v)
 
         out = torch.empty_like(q)
-        starts = metadata.query_start_loc_cpu
-        decoding = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1]
-        if decoding:
-            rows = torch.tensor(decoding, device=q.device)
-            tokens = metadata.query_start_loc[rows]
+        if len(metadata.decode_reqs):
+            rows, tokens = metadata.decode_reqs, metadata.decode_tokens
             out[tokens] = _decode_attention(q[tokens], key_cache, value_cache,
                                             metadata.block_tables[rows], metadata.seq_lens[rows], scale)
+        starts = metadata.query_start_loc_cpu
         block_size = key_cache.shape[1]
-        for i in sorted(set(range(metadata.num_reqs)) - set(decoding)):
+        for i in metadata.prefill_reqs:
             start, end, seq_len = starts[i], starts[i + 1], metadata.seq_lens_cpu[i]
             blocks = metadata.block_tables[i, : -(-seq_len // block_size)]
             keys = key_cache[blocks].flatten(0, 1)[:seq_len]

@@ -194,6 +194,8 @@ class _StepInputs:
         return self
 
     def attention_metadata(self, device: torch.device) -> AttentionMetadata:
+        decoding = np.diff(self.query_start_loc) == 1
+        decode_reqs = np.flatnonzero(decoding)
         return AttentionMetadata(
             slot_mapping=_tensor(self.slot_mapping, device),
             query_start_loc=_tensor(self.query_start_loc, device),
@@ -203,4 +205,7 @@ class _StepInputs:
             max_seq_len=int(self.seq_lens.max()),
             query_start_loc_cpu=self.query_start_loc.tolist(),
             seq_lens_cpu=self.seq_lens.tolist(),
+            decode_reqs=_tensor(decode_reqs, device),
+            decode_tokens=_tensor(self.query_start_loc[decode_reqs], device),
+            prefill_reqs=np.flatnonzero(~decoding).tolist(),
         )
