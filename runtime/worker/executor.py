@@ -2,7 +2,10 @@
 
 TP workers are symmetric, as in vLLM V1: every rank gets the same SchedulerOutput, runs its shard
 of the model (the layers all-reduce and all-gather between them) and samples the same tokens
-from the same full logits with the same generators. Rank 0's output is the step's result.
+from the same full logits with the same generators. Rank 0's output is the step's result. Each
+rank also reports a fingerprint of its persistent batch after every step: ranks whose batches
+differ would all-reduce one request's partial sums into another's, so the executor fails the
+engine the moment they disagree rather than return wrong tokens.
 
 Calls travel over one pipe per worker as msgspec msgpack bytes; nothing is pickled after the
 workers start. A worker that dies fails the call at once instead of leaving the others waiting.
@@ -52,6 +55,8 @@ class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     value: int | None = None
     output: ModelRunnerOutput | None = None
+    # After execute_model: the rank's InputBatch.layout_fingerprint().
+    layout: int | None = None
 
 
 # What each call carries to the workers, by method name.
@@ -102,7 +107,11 @@ class MultiprocExecutor:
         self._call("initialize_kv_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output)[0].output
+        replies = self._call("execute_model", scheduler_output)
+        layouts = [reply.layout for reply in replies]
+        if len(set(layouts)) > 1:
+            self._fail(RuntimeError(f"TP ranks disagree on the batch layout (fingerprint per rank: {layouts})"))
+        return replies[0].output
 
     def _call(self, method: str, argument=None) -> list[WorkerReply]:
         if not self._workers:
@@ -201,7 +210,7 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
             decoder = decoders[method]
             result = getattr(runner, method)(*([decoder.decode(payload)] if decoder else []))
             if method == "execute_model":
-                reply = WorkerReply(output=result if rank == 0 else None)
+                reply = WorkerReply(output=result if rank == 0 else None, layout=runner.batch.layout_fingerprint())
             else:
                 reply = WorkerReply(value=result)
         except Exception as exc:  # noqa: BLE001 - the executor turns it into an engine failure

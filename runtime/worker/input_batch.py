@@ -3,9 +3,18 @@
 Rows are host arrays (token ids, block table, sampling parameters). A step only applies what
 changed: requests removed (finished or preempted), added (new or resumed), and blocks or tokens
 appended; then `condense` moves rows from the tail into the holes so rows stay dense.
+
+Under tensor parallelism every rank keeps its own batch, and the all-reduces only add up the right
+partial results if all ranks put each request in the same row. So the layout is a pure function of
+the SchedulerOutputs applied: a new request takes the lowest free row, which makes the result
+independent even of the order in which rows were freed. `layout_fingerprint` lets the executor
+check that the ranks agree.
 """
 
 from __future__ import annotations
+
+import heapq
+import zlib
 
 import numpy as np
 import torch
@@ -18,6 +27,7 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.req_ids: list[str | None] = []
         self.row_of: dict[str, int] = {}
+        # Free rows below the end of `req_ids`, as a min-heap.
         self._holes: list[int] = []
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -40,7 +50,7 @@ class InputBatch:
         return len(self.row_of)
 
     def add_request(self, new: NewRequestData) -> None:
-        row = self._holes.pop() if self._holes else len(self.req_ids)
+        row = heapq.heappop(self._holes) if self._holes else len(self.req_ids)
         if row == len(self.req_ids):
             if row >= self.max_num_reqs:
                 raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows)")
@@ -77,7 +87,7 @@ class InputBatch:
         if row is None:
             return
         self.req_ids[row] = None
-        self._holes.append(row)
+        heapq.heappush(self._holes, row)
         self.num_logprobs.pop(req_id, None)
         self.num_prompt_logprobs.pop(req_id, None)
 
@@ -92,16 +102,23 @@ class InputBatch:
 
     def condense(self) -> None:
         """Fill the holes left by removed rows with the rows at the tail."""
-        self._holes.sort(reverse=True)
         while self._holes:
             while self.req_ids and self.req_ids[-1] is None:
                 self.req_ids.pop()
-            hole = self._holes.pop()
+            hole = heapq.heappop(self._holes)
             if hole >= len(self.req_ids):
                 # Every hole left is beyond the (trimmed) end.
                 self._holes.clear()
                 break
             self._move_row(len(self.req_ids) - 1, hole)
+
+    def layout_fingerprint(self) -> int:
+        """A checksum of which request sits in which row, and how far along each row is."""
+        num_rows = len(self.req_ids)
+        checksum = zlib.crc32("\0".join(req_id or "" for req_id in self.req_ids).encode())
+        for per_row in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
+            checksum = zlib.crc32(per_row[:num_rows].tobytes(), checksum)
+        return checksum
 
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids.pop()

@@ -37,10 +37,12 @@ class SchedulerOutput:
     # Tokens to compute this step, per request; the sum is within max_num_batched_tokens.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Rows the runner drops before this step: finished or aborted since the last step.
-    finished_req_ids: set[str] = field(default_factory=set)
+    # Rows the runner drops before this step: finished or aborted since the last step. Lists, in
+    # the order it happened, never sets: every TP rank replays them, and a set's iteration order
+    # depends on each process's own string-hash seed.
+    finished_req_ids: list[str] = field(default_factory=list)
     # Rows the runner drops too; these requests come back later as NewRequestData.
-    preempted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -32,7 +32,7 @@ class Scheduler:
         # Every unfinished request, waiting or running.
         self.requests: dict[str, Request] = {}
         # Finished or aborted since the last schedule(): the runner drops their rows.
-        self._finished_req_ids: set[str] = set()
+        self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
 
     @property
@@ -77,7 +77,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         # Running requests scheduled this step, with the blocks they gained.
         cached_new_blocks: dict[str, list[int]] = {}
-        preempted: set[str] = set()
+        preempted: list[str] = []
 
         for request in list(self.running.values()):
             if budget == 0:
@@ -89,7 +89,7 @@ class Scheduler:
             while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
-                preempted.add(victim.request_id)
+                preempted.append(victim.request_id)
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
                     del cached_new_blocks[victim.request_id]
@@ -128,7 +128,7 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
         )
-        self._finished_req_ids = set()
+        self._finished_req_ids = []
         # The output carries the counts at the start of the step; from here on they include
         # what this step computes.
         for req_id, num_new in num_scheduled.items():
@@ -258,4 +258,4 @@ class Scheduler:
     def _forget(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._finished_req_ids.add(request.request_id)
+        self._finished_req_ids.append(request.request_id)

@@ -75,7 +75,7 @@ class FakeRunner:
     rows: dict[str, _Row] = field(default_factory=dict)
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in out.finished_req_ids | out.preempted_req_ids:
+        for req_id in out.finished_req_ids + out.preempted_req_ids:
             self.rows.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.rows, f"{new.req_id} sent as new but has a row"
@@ -315,7 +315,7 @@ def test_fcfs_preempts_the_last_admitted_and_admits_nothing_in_that_step():
     h.add(make_request("w", 1))  # no seat for it until `v` goes
     out = h.step()
     # `v` is last admitted, though its priority value is the lower one.
-    assert out.preempted_req_ids == {"v"}
+    assert out.preempted_req_ids == ["v"]
     assert out.num_scheduled_tokens == {"a": 1}
     # `v` heads the queue and its first chunk would fit, yet it waits for the next step.
     assert not out.scheduled_new_reqs
@@ -358,7 +358,7 @@ def test_priority_policy_preempts_the_largest_priority_value_even_if_it_is_the_r
     h = _preemption_scenario("priority")
     out = h.step()
     # `a` asks for the block but has the larger priority value, so it gives way itself.
-    assert out.preempted_req_ids == {"a"}
+    assert out.preempted_req_ids == ["a"]
     assert out.num_scheduled_tokens == {"v": 1}
     assert not out.scheduled_new_reqs
 
@@ -375,7 +375,7 @@ def test_priority_victim_scheduled_earlier_in_the_step_gives_its_tokens_back():
     assert list(h.sched.running) == ["mid", "low", "high"]
     out = h.step_until(lambda o: o.preempted_req_ids)
     # `low` was scheduled before `high` ran out of blocks; it is neither first nor last admitted.
-    assert out.preempted_req_ids == {"low"}
+    assert out.preempted_req_ids == ["low"]
     assert out.num_scheduled_tokens == {"mid": 1, "high": 1}
     assert out.total_num_scheduled_tokens == 2
     assert [r.req_id for r in out.scheduled_cached_reqs] == ["mid", "high"]
@@ -446,7 +446,7 @@ def test_set_policy_round_trip_keeps_every_waiting_request_once():
 def test_victim_choice_follows_a_policy_set_at_runtime():
     h = _preemption_scenario("fcfs")
     h.sched.set_policy("priority")
-    assert h.step().preempted_req_ids == {"a"}
+    assert h.step().preempted_req_ids == ["a"]
 
 
 # --- stop conditions ----------------------------------------------------------------------------
@@ -503,8 +503,8 @@ def test_finish_requests_frees_waiting_and_running_and_reports_each_id_once():
     assert h.sched.num_running == h.sched.num_waiting == 0
 
     out = h.step()
-    assert out.finished_req_ids == {"a", "b"} and out.is_empty
-    assert h.step().finished_req_ids == set()
+    assert out.finished_req_ids == ["a", "b"] and out.is_empty
+    assert h.step().finished_req_ids == []
 
     with pytest.raises(ValueError, match="RUNNING"):
         h.sched.finish_requests(["a"], RequestStatus.RUNNING)
@@ -517,7 +517,7 @@ def test_request_aborted_between_schedule_and_update_gets_no_output():
     runner_output = h.runner(out)
     h.sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert h.sched.update_from_output(out, runner_output) == []
-    assert h.sched.schedule().finished_req_ids == {"a"}
+    assert h.sched.schedule().finished_req_ids == ["a"]
     assert h.kv.num_free_blocks == h.full
 
 

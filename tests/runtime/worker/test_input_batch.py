@@ -63,3 +63,34 @@ def test_step_inputs_flatten_positions_slots_and_block_tables():
     assert step.query_start_loc.tolist() == [0, 5, 6]
     assert step.seq_lens.tolist() == [5, 6]
     assert step.block_tables.tolist() == [[7, 3], [2, 9]]
+
+
+def test_the_layout_does_not_depend_on_the_order_rows_were_freed():
+    """TP ranks replay the same removals; whatever order they come in, every rank ends up alike."""
+    layouts = []
+    for removal_order in (["b", "d", "e"], ["e", "b", "d"], ["d", "e", "b"]):
+        batch = _batch()
+        for i, name in enumerate("abcdef"):
+            batch.add_request(_new(name, [i + 1] * 3, [i + 1]))
+        for name in removal_order:
+            batch.remove_request(name)
+        batch.add_request(_new("g", [7] * 2, [7]))
+        batch.add_request(_new("h", [8] * 2, [8]))
+        batch.condense()
+        layouts.append((list(batch.req_ids), batch.layout_fingerprint()))
+    assert layouts[0][0] == ["a", "g", "c", "h", "f"]
+    assert layouts[1:] == layouts[:1] * 2
+
+
+def test_the_fingerprint_changes_with_a_row_or_its_progress():
+    batch = _batch()
+    batch.add_request(_new("a", [1, 2], [1]))
+    batch.add_request(_new("b", [3, 4], [2]))
+    base = batch.layout_fingerprint()
+    batch.append_token(batch.row_of["b"], 9)
+    assert batch.layout_fingerprint() != base
+
+    swapped = _batch()
+    swapped.add_request(_new("b", [3, 4], [2]))
+    swapped.add_request(_new("a", [1, 2], [1]))
+    assert swapped.layout_fingerprint() != base
