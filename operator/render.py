@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from kvpilot.operator import naming
+from kvpilot.operator.serve_flags import spec_args
 
 Manifest = dict[str, Any]
 
@@ -31,14 +32,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 PRESTOP_SLEEP_SECONDS = 5
 # Room after --shutdown-timeout for the engine processes to exit before the kubelet's SIGKILL.
 EXIT_MARGIN_SECONDS = 10
-
-_OPTIONAL_ENGINE_FLAGS = (
-    ("maxNumSeqs", "--max-num-seqs"),
-    ("maxNumBatchedTokens", "--max-num-batched-tokens"),
-    ("maxModelLen", "--max-model-len"),
-    ("gpuMemoryUtilization", "--gpu-memory-utilization"),
-)
-
 
 def children(
     engine: Mapping[str, Any], *, tenant_keys: Mapping[str, str], service_monitor: bool
@@ -62,34 +55,16 @@ def children(
 
 
 def serve_args(engine: Mapping[str, Any]) -> list[str]:
-    """The `kvpilot serve` arguments, named as vLLM's flags."""
+    """The `kvpilot serve` arguments, named as vLLM's flags (the table is in serve_flags.py)."""
     spec = engine["spec"]
-    settings = spec["engine"]
-    args = [
+    return [
         MODEL_DIR,
-        "--served-model-name", spec["model"]["name"],
         "--host", "0.0.0.0",
         "--port", str(CONTAINER_PORT),
-        "--tensor-parallel-size", str(spec["parallelism"]["tensor"]),
+        *spec_args(spec),
+        "--tenants-file", TENANTS_FILE,
+        *spec["engine"].get("extraArgs", []),
     ]
-    for key, flag in _OPTIONAL_ENGINE_FLAGS:
-        if key in settings:
-            args += [flag, str(settings[key])]
-    args += ["--block-size", str(settings["blockSize"])]
-    args.append(
-        "--enable-prefix-caching" if settings["enablePrefixCaching"] else "--no-enable-prefix-caching"
-    )
-    args += ["--scheduling-policy", initial_scheduling_policy(spec)]
-    args += ["--shutdown-timeout", str(settings["shutdownTimeoutSeconds"])]
-    args += ["--tenants-file", TENANTS_FILE]
-    args += settings.get("extraArgs", [])
-    return args
-
-
-def initial_scheduling_policy(spec: Mapping[str, Any]) -> str:
-    # `auto` starts calm; the policy tuner switches live engines to `priority` under pressure.
-    policy = spec["scheduling"]["policy"]
-    return "fcfs" if policy == "auto" else policy
 
 
 def tenants(spec: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> list[dict[str, Any]]:

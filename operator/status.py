@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import naming, render
+from kvpilot.operator.serve_flags import initial_scheduling_policy
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -151,9 +152,10 @@ def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[s
 
 def _effective_policy(spec: Mapping[str, Any], current: Mapping[str, Any]) -> str:
     # Under `auto` the policy tuner owns the live policy; the pods start with the initial one.
-    if spec["scheduling"]["policy"] == "auto":
-        return current.get("effectiveSchedulingPolicy", render.initial_scheduling_policy(spec))
-    return render.initial_scheduling_policy(spec)
+    policy = spec["scheduling"]["policy"]
+    if policy == "auto":
+        return current.get("effectiveSchedulingPolicy", initial_scheduling_policy(policy))
+    return initial_scheduling_policy(policy)
 
 
 def _set_condition(

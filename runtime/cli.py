@@ -10,21 +10,25 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-# Stdlib only: the engine's defaults and choices for `serve`, without torch.
-from kvpilot.runtime.config import DTYPES, SCHEDULING_POLICIES, EngineArgs
+# Stdlib only: the engine's settings for `serve`, without torch.
+from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting
 
 # A handler gets the parsed args and its own subparser, so usage errors it finds late
 # (after parsing) still exit 2 with that subcommand's usage line.
 Handler = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="An LLM engine in the shape of vLLM V1.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_make_tiny_model(commands)
     _add_operator(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     return handler(args, args.subparser)
 
@@ -33,13 +37,6 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
     return value
 
 
@@ -156,14 +153,6 @@ def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-# The serve flags that are EngineArgs fields, under the same (vLLM) names.
-_ENGINE_FLAGS = (
-    "dtype", "seed", "block_size", "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-    "gpu_memory_utilization", "tensor_parallel_size",
-    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
-    "scheduling_policy",
-)
 API_KEY_ENV = "KVPILOT_API_KEY"
 
 
@@ -201,35 +190,43 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     http.add_argument("--shutdown-timeout", metavar="SECONDS", type=_non_negative_float, default=30.0,
                       help="on SIGTERM, how long requests in flight may run before they are aborted")
 
-    engine = sub.add_argument_group("engine")
-    engine.add_argument("--tensor-parallel-size", metavar="N", type=_positive_int, default=1,
-                        help="tensor-parallel ranks: worker processes, one GPU each on CUDA")
-    engine.add_argument("--dtype", choices=DTYPES, default=_ENGINE_DEFAULTS["dtype"], help="weight and activation dtype")
-    engine.add_argument("--seed", metavar="N", type=int, default=_ENGINE_DEFAULTS["seed"], help="engine seed")
-    engine.add_argument("--block-size", metavar="N", type=_positive_int, default=_ENGINE_DEFAULTS["block_size"],
-                        help="tokens per KV-cache block")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=_ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV blocks of shared prefixes")
-    engine.add_argument("--num-gpu-blocks-override", metavar="N", type=_positive_int,
-                        help="KV-cache size in blocks (default: sized from the memory budget)")
-    engine.add_argument("--kv-cache-memory-bytes", metavar="N", type=_positive_int,
-                        help="KV-cache memory budget in bytes (default: from --gpu-memory-utilization on "
-                             "CUDA, 512 MiB on a CPU)")
-    engine.add_argument("--gpu-memory-utilization", metavar="FRACTION", type=float,
-                        default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
-                        help="fraction of GPU memory the engine may use, weights and KV cache together")
-    engine.add_argument("--max-num-seqs", metavar="N", type=_positive_int, default=_ENGINE_DEFAULTS["max_num_seqs"],
-                        help="most requests in one step")
-    engine.add_argument("--max-num-batched-tokens", metavar="N", type=_positive_int,
-                        default=_ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens in one step")
-    engine.add_argument("--max-model-len", metavar="N", type=_positive_int,
-                        help="longest prompt + output (default: the model's max_position_embeddings)")
-    engine.add_argument("--long-prefill-token-threshold", metavar="N", type=_non_negative_int,
-                        default=_ENGINE_DEFAULTS["long_prefill_token_threshold"],
-                        help="largest prefill chunk per request and step; 0: no cap")
-    engine.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
-                        default=_ENGINE_DEFAULTS["scheduling_policy"], help="initial policy (switchable live via /admin)")
+    add_engine_flags(sub.add_argument_group("engine"))
     sub.set_defaults(handler=_serve, subparser=sub)
+
+
+def flag_name(engine_setting: EngineSetting) -> str:
+    return "--" + engine_setting.arg.replace("_", "-")
+
+
+def add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    """One `kvpilot serve` flag per engine setting: name, type, choices, default and help all come
+    from the config spine, and so does the check of a value, which fails as a usage error."""
+    for engine_setting in ENGINE_SETTINGS:
+        description = engine_setting.description
+        options: dict = {"dest": engine_setting.arg, "default": engine_setting.default, "help": description.help}
+        if engine_setting.value_type is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif description.choices:
+            # Parsed as their plain type, so that argparse lists the choices as users type them.
+            plain = str if issubclass(engine_setting.value_type, str) else engine_setting.value_type
+            options.update(type=plain, choices=[plain(choice) for choice in description.choices])
+            options["default"] = plain(engine_setting.default)
+        else:
+            options.update(type=_checked(engine_setting), metavar=description.metavar)
+        group.add_argument(flag_name(engine_setting), **options)
+
+
+def _checked(engine_setting: EngineSetting) -> Callable[[str], object]:
+    def parse(text: str):
+        value = engine_setting.value_type(text)
+        problem = engine_setting.description.problem(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    # argparse names the type in its "invalid <type> value" message.
+    parse.__name__ = engine_setting.value_type.__name__
+    return parse
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -258,9 +255,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model_dir, default_name = str(ensure_demo_model()), DEMO_MODEL_NAME
     else:
         model_dir = default_name = args.model_dir
-    engine_args = EngineArgs(model=model_dir, **{name: getattr(args, name) for name in _ENGINE_FLAGS})
+    engine_args = EngineArgs(model=model_dir, **{s.arg: getattr(args, s.arg) for s in ENGINE_SETTINGS})
     try:
-        engine_args.create_engine_config()
+        engine_config = engine_args.create_engine_config()
     except ValueError as err:
         parser.error(str(err))
     config = ServerConfig(
@@ -271,7 +268,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         trust_tenant_header=args.trust_tenant_header,
     )
     try:
-        return run_server(engine_args, config, host=args.host, port=args.port,
+        return run_server(engine_config, config, host=args.host, port=args.port,
                           shutdown_timeout=args.shutdown_timeout)
     except RuntimeError as err:
         # The engine failed to start; its own message says why.

@@ -1,20 +1,93 @@
-"""Engine configuration: one place for the defaults, the validation and the vLLM names."""
+"""The config spine: every engine setting's name, type, default, help and check, written once.
+
+A setting is a dataclass field declared with `setting(...)` in one of the config classes below
+(ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig). Everything else is derived from
+those fields: `EngineArgs` (the keyword arguments of `LLM(...)`, vLLM's names), the engine
+flags of `kvpilot serve` (see `cli.py`), and the error messages that name a setting.
+`EngineArgs.create_engine_config()` checks every value once and returns the `EngineConfig` that
+the engine process receives. Adding a setting is adding one field here (and reading it where it
+is used).
+
+Stdlib only: the API server and the CLI import this without torch.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Tokens per KV block: powers of two up to 128 (the CRD's enum is checked against this).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# The KV budget on a CPU when none is given: there is no device memory to take a fraction of.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
 
 
-@dataclass
+class SchedulingPolicy(enum.StrEnum):
+    """The order the scheduler admits waiting requests in, and whom it preempts first."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+    @classmethod
+    def parse(cls, value: str) -> "SchedulingPolicy":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown scheduling policy {value!r}; expected one of {', '.join(cls)}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one engine setting is described and checked; the field itself holds type and default."""
+
+    help: str
+    choices: tuple = ()
+    minimum: int | float | None = None
+    # An exclusive lower bound, for fractions such as gpu_memory_utilization.
+    above: float | None = None
+    maximum: int | float | None = None
+    metavar: str | None = None
+    # The EngineArgs keyword and flag name, where it differs from the field's (vLLM's names).
+    arg: str | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not allowed, or None. Phrased to follow the setting's or flag's name."""
+        if value is None:
+            return None
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+        if self.above is not None and not value > self.above:
+            return f"must be greater than {self.above}, got {value}"
+        if self.maximum is not None and value > self.maximum:
+            return f"must be at most {self.maximum}, got {value}"
+        if self.minimum is not None and value < self.minimum:
+            if self.minimum in (0, 1) and isinstance(value, int):
+                kind = "a positive integer" if self.minimum == 1 else "a non-negative integer"
+                return f"must be {kind}, got {value}"
+            return f"must be at least {self.minimum}, got {value}"
+        return None
+
+
+def setting(default: Any, help: str, **description: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(help, **description)})
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
-    """The parts of a Hugging Face `config.json` the Llama-family model needs."""
+    """What to run: the setting fields, then the facts the Llama-family model needs from the
+    checkpoint (a Hugging Face `config.json`)."""
+
+    dtype: str = setting("float32", "weight and activation dtype", choices=DTYPES)
+    seed: int = setting(0, "engine seed (requests without their own seed sample from it)", metavar="N")
 
     path: str
     architecture: str
@@ -32,7 +105,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: list[int]
-    dtype: str
 
     @property
     def torch_dtype(self):
@@ -42,12 +114,11 @@ class ModelConfig:
         return getattr(torch, self.dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str = "float32") -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path, **settings) -> "ModelConfig":
+        """The checkpoint's facts from its `config.json`; `settings` are this class's setting fields."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model: no config.json in {path!s}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         hf = json.loads(config_file.read_text())
         architecture = (hf.get("architectures") or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,7 +148,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=bool(attention_bias),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            dtype=dtype,
+            **settings,
         )
 
 
@@ -88,110 +159,150 @@ def _scaling_part(rope_parameters: dict) -> dict | None:
     return rope_parameters
 
 
-# The KV budget on a CPU when none is given: there is no device memory to take a fraction of.
-DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
-
-
 @dataclass
 class CacheConfig:
-    """How big the KV pool is: the first of these that is set decides.
+    """How the KV pool is laid out and how big it is: the first size setting that is set decides.
 
     num_gpu_blocks_override (blocks), kv_cache_memory_bytes (a byte budget), then on CUDA
     gpu_memory_utilization (the fraction of device memory the whole engine may hold), and on a
     CPU DEFAULT_CPU_KV_CACHE_BYTES.
     """
 
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
+    block_size: int = setting(16, "tokens per KV-cache block", choices=BLOCK_SIZES, metavar="N")
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prefixes")
+    # Block 0 is the null block, so a usable pool has at least two.
+    num_gpu_blocks_override: int | None = setting(
+        None, "KV-cache size in blocks (default: sized from the memory budget)", minimum=2, metavar="N")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV-cache memory budget in bytes (default: from --gpu-memory-utilization on CUDA, 512 MiB on a CPU)",
+        minimum=1, metavar="N")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory the engine may use, weights and KV cache together",
+        above=0.0, maximum=1.0, metavar="FRACTION")
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0
-    # Largest prefill chunk one request may take in a step; 0 means no cap.
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
+    max_num_seqs: int = setting(256, "most requests in one step", minimum=1, metavar="N")
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step", minimum=1, metavar="N")
+    # None until the engine config is built, which resolves it to the model's own limit.
+    max_model_len: int | None = setting(
+        None, "longest prompt + output (default: the model's max_position_embeddings)", minimum=1, metavar="N")
+    long_prefill_token_threshold: int = setting(
+        0, "largest prefill chunk per request and step; 0: no cap", minimum=0, metavar="N")
+    policy: SchedulingPolicy = setting(
+        SchedulingPolicy.FCFS, "initial policy (switchable live via /admin)",
+        choices=tuple(SchedulingPolicy), arg="scheduling_policy")
 
 
 @dataclass
-class EngineArgs:
-    """The keyword arguments of `LLM(...)`, named as vLLM names them."""
+class ParallelConfig:
+    tensor_parallel_size: int = setting(
+        1, "tensor-parallel ranks: worker processes, one GPU each on CUDA", minimum=1, metavar="N")
 
-    model: str
-    dtype: str = "float32"
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
 
+@dataclass
+class EngineConfig:
+    """The validated configuration, built once by EngineArgs and handed to the engine process."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+# EngineConfig's attribute -> the config class whose setting fields it holds.
+_GROUPS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+
+
+@dataclass(frozen=True)
+class EngineSetting:
+    """One setting as the outside sees it: its EngineArgs keyword (and flag) and where it lives."""
+
+    arg: str
+    group: str
+    field_name: str
+    value_type: type
+    default: Any
+    description: Setting
+
+    def check(self, value: Any) -> Any:
+        """The value in its declared type; ValueError naming the setting when it is not allowed."""
+        if value is not None and not self._has_type(value):
+            raise ValueError(f"{self.arg} must be {self.value_type.__name__}, got {value!r}")
+        if issubclass(self.value_type, enum.Enum) and value is not None:
+            if value not in self.description.choices:
+                raise ValueError(f"{self.arg} {self.description.problem(value)}")
+            value = self.value_type(value)
+        problem = self.description.problem(value)
+        if problem is not None:
+            raise ValueError(f"{self.arg} {problem}")
+        return value
+
+    def _has_type(self, value: Any) -> bool:
+        if issubclass(self.value_type, enum.Enum):
+            return isinstance(value, str)
+        if isinstance(value, bool) and self.value_type is not bool:
+            return False  # True is an int to Python, never a block count to a user
+        if self.value_type is float:
+            return isinstance(value, (int, float))
+        return isinstance(value, self.value_type)
+
+
+def _engine_settings() -> tuple[EngineSetting, ...]:
+    settings = []
+    for group, cls in _GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "setting" not in f.metadata:
+                continue
+            description: Setting = f.metadata["setting"]
+            # `int | None` is an int setting that may be left unset.
+            value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+            settings.append(EngineSetting(description.arg or f.name, group, f.name, value_type, f.default, description))
+    return tuple(settings)
+
+
+ENGINE_SETTINGS = _engine_settings()
+
+
+class _EngineArgsMethods:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - {s.arg for s in ENGINE_SETTINGS})
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)
 
-    def create_engine_config(self) -> "EngineConfig":
-        model = ModelConfig.from_pretrained(self.model, self.dtype)
-        max_model_len = self.max_model_len or model.max_position_embeddings
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-                 f"must be a power of two up to 128, got {self.block_size}")
-        _check_tensor_parallel(model, self.tensor_parallel_size)
-        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 f"must be at least 1, got {self.max_num_batched_tokens}")
-        _require(max_model_len >= 1, "max_model_len", f"must be at least 1, got {max_model_len}")
+    def create_engine_config(self) -> EngineConfig:
+        groups: dict[str, dict[str, Any]] = {group: {} for group in _GROUPS}
+        for s in ENGINE_SETTINGS:
+            groups[s.group][s.field_name] = s.check(getattr(self, s.arg))
+        model = ModelConfig.from_pretrained(self.model, **groups["model"])
+        scheduler = SchedulerConfig(**groups["scheduler"])
+        scheduler.max_model_len = scheduler.max_model_len or model.max_position_embeddings
         # Rotary tables stop at the model's own limit; positions beyond it have no embedding.
-        _require(max_model_len <= model.max_position_embeddings, "max_model_len",
-                 f"{max_model_len} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
-        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
-                 f"must be non-negative, got {self.long_prefill_token_threshold}")
-        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
-                 "num_gpu_blocks_override",
-                 f"must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks_override}")
-        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
-                 f"must be positive, got {self.kv_cache_memory_bytes}")
-        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                policy=self.scheduling_policy,
-            ),
-            seed=self.seed,
-            tensor_parallel_size=self.tensor_parallel_size,
-        )
+        _require(scheduler.max_model_len <= model.max_position_embeddings, "max_model_len",
+                 f"{scheduler.max_model_len} exceeds the model's max_position_embeddings "
+                 f"({model.max_position_embeddings})")
+        parallel = ParallelConfig(**groups["parallel"])
+        _check_tensor_parallel(model, parallel.tensor_parallel_size)
+        return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]), scheduler=scheduler,
+                            parallel=parallel)
+
+
+EngineArgs = dataclasses.make_dataclass(
+    "EngineArgs",
+    [("model", str)] + [(s.arg, s.value_type | None if s.default is None else s.value_type,
+                         field(default=s.default)) for s in ENGINE_SETTINGS],
+    bases=(_EngineArgsMethods,),
+    namespace={"__doc__": "The keyword arguments of `LLM(...)`: `model`, then one per setting field "
+                          "of the config classes, under vLLM's names (derived from ENGINE_SETTINGS)."},
+)
+EngineArgs.__module__ = __name__
 
 
 def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
-    _require(size >= 1, "tensor_parallel_size", f"must be at least 1, got {size}")
     # Every rank holds whole heads; KV heads are split too, not replicated.
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model, name)
@@ -201,12 +312,3 @@ def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
-
-
-@dataclass
-class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int = 0
-    tensor_parallel_size: int = 1

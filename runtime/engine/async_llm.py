@@ -25,7 +25,7 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.core_process import run_engine_core
 from kvpilot.runtime.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.runtime.engine.messages import (
@@ -54,18 +54,18 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     """Owns the EngineCore process and the per-request output streams.
 
-    Construction (blocking) validates the engine args here, spawns the EngineCore process and
-    waits for its handshake: ValueError for bad args, RuntimeError (with the engine's own
-    message) when the engine fails to start.
+    Construction (blocking) spawns the EngineCore process with the validated config and waits
+    for its handshake: ValueError for a model folder without a tokenizer, RuntimeError (with the
+    engine's own message) when the engine fails to start.
     """
 
-    def __init__(self, engine_args: EngineArgs, startup_timeout: float = 300.0) -> None:
-        self.config = engine_args.create_engine_config()
-        self.model_dir = engine_args.model
-        model_path = Path(engine_args.model)
+    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+        self.config = config
+        self.model_dir = config.model.path
+        model_path = Path(self.model_dir)
         tokenizer_file = model_path / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ValueError(f"model: no tokenizer.json in {engine_args.model}")
+            raise ValueError(f"model: no tokenizer.json in {self.model_dir}")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         config_file = model_path / "tokenizer_config.json"
         self.tokenizer_config: dict = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -74,6 +74,8 @@ class AsyncLLM:
         self.vocab_size = self.config.model.vocab_size
 
         self._output_processor = OutputProcessor(self.tokenizer)
+        # What the engine last reported, pushed after each step or answered to get_stats.
+        self.latest_stats: EngineStats | None = None
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -96,7 +98,7 @@ class AsyncLLM:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
         self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(engine_args, input_address, output_address),
+            target=run_engine_core, args=(config, input_address, output_address),
             # Not a daemon: a daemonic process may not start the TP worker processes. The engine
             # leaves on its own when this process dies, and atexit stops it on a normal exit.
             name="kvpilot-engine-core", daemon=False,
@@ -317,9 +319,12 @@ class AsyncLLM:
             # Ended here by a stop string; the engine would otherwise keep generating.
             self._send(RequestType.ABORT, AbortRequests(request_ids=stopped))
         if message.stats is not None:
+            self.latest_stats = message.stats
             self._output_processor.record_engine_stats(message.stats)
         if message.utility_result is not None:
             result = message.utility_result
+            if isinstance(result.value, EngineStats):
+                self.latest_stats = result.value
             future = self._utility_calls.pop(result.call_id, None)
             if future is not None and not future.done():
                 if result.error is None:

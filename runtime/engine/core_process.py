@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -46,7 +46,7 @@ _DECODERS = {
 }
 
 
-def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str) -> None:
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Process entry point. Exits 0 on SHUTDOWN, 1 when the engine fails."""
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not end the engine under the API
     # server's graceful drain: the server decides when we stop (SHUTDOWN, or SIGKILL).
@@ -64,7 +64,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         # spawn target, never loads torch.
         from kvpilot.runtime.engine.core import EngineCore
 
-        core = EngineCore(engine_args.create_engine_config())
+        core = EngineCore(config)
         try:
             _EngineLoop(core, context, input_address, outputs).run()
         finally:

@@ -13,6 +13,7 @@ import enum
 
 import msgspec
 
+from kvpilot.runtime.config import SchedulingPolicy
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import SamplingParams
 
@@ -46,7 +47,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    scheduling_policy: str
+    scheduling_policy: SchedulingPolicy
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

@@ -54,7 +54,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
     template = ChatTemplate(engine.tokenizer_config)
     metrics = ServerMetrics(config.served_model_name, engine.block_size, engine.num_kv_blocks,
                             http_requests_in_flight=lambda: state.in_flight)
-    metrics.set_scheduling_policy(state.scheduling_policy)
     engine.add_stat_logger(metrics)
     engine.on_engine_dead(state.mark_dead)
 
@@ -116,7 +115,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": state.status, "scheduling_policy": state.scheduling_policy}
+        # The policy the engine last reported: the engine is the one place it is kept.
+        body = {"status": state.status, "scheduling_policy": engine.latest_stats.scheduling_policy}
         if state.dead_reason is not None:
             body["reason"] = state.dead_reason
         return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
@@ -145,9 +145,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
         except ValidationError as err:
             raise RequestValidationError(err.errors()) from err
         await engine.set_scheduling_policy(body.policy)
-        state.scheduling_policy = body.policy
-        metrics.set_scheduling_policy(body.policy)
-        logger.info("scheduling policy set to %s", body.policy)
-        return {"scheduling_policy": body.policy}
+        stats = await engine.get_stats()
+        metrics.record_engine_stats(stats)
+        logger.info("scheduling policy set to %s", stats.scheduling_policy)
+        return {"scheduling_policy": stats.scheduling_policy}
 
     return app

@@ -11,7 +11,7 @@ import signal
 
 import uvicorn
 
-from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_llm import AsyncLLM
 from kvpilot.runtime.server.api_server import ServerConfig, build_app
 from kvpilot.runtime.server.state import ServerState
@@ -25,17 +25,17 @@ CONNECTION_CLOSE_GRACE_S = 1.0
 ENGINE_DEAD_GRACE_S = 3.0
 
 
-def run_server(engine_args: EngineArgs, config: ServerConfig, *, host: str, port: int,
+def run_server(engine_config: EngineConfig, config: ServerConfig, *, host: str, port: int,
                shutdown_timeout: float) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(engine_args, config, host, port, shutdown_timeout))
+    return asyncio.run(_serve(engine_config, config, host, port, shutdown_timeout))
 
 
-async def _serve(engine_args: EngineArgs, config: ServerConfig, host: str, port: int,
+async def _serve(engine_config: EngineConfig, config: ServerConfig, host: str, port: int,
                  shutdown_timeout: float) -> int:
-    engine = AsyncLLM(engine_args)
+    engine = AsyncLLM(engine_config)
     try:
-        state = ServerState(engine_args.scheduling_policy)
+        state = ServerState()
         app = build_app(engine, config, state)
         server = DrainingServer(
             uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S),

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpilot.runtime.config import SCHEDULING_POLICIES
+from kvpilot.runtime.config import SchedulingPolicy
 
 if TYPE_CHECKING:
     from kvpilot.runtime.engine.output_processor import FinishedRequestStats
@@ -90,6 +90,8 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        for policy in SchedulingPolicy:
+            self._scheduling_policy.labels(self.model_name, policy).set(1 if policy == stats.scheduling_policy else 0)
         for name, counter in self._engine_counters.items():
             total = getattr(stats, name)
             # A scrape's own get_stats result can be recorded after newer pushed stats: never go back.
@@ -111,10 +113,6 @@ class ServerMetrics:
         for latency in stats.inter_token_latencies:
             self.inter_token_latency.observe(latency)
         self.e2e_request_latency.observe(stats.e2e_latency)
-
-    def set_scheduling_policy(self, policy: str) -> None:
-        for name in SCHEDULING_POLICIES:
-            self._scheduling_policy.labels(self.model_name, name).set(1 if name == policy else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

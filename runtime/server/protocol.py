@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from kvpilot.runtime.config import SCHEDULING_POLICIES
+from kvpilot.runtime.config import SchedulingPolicy
 
 # vLLM's cap on logprobs; the engine enforces it too.
 MAX_LOGPROBS = 20
@@ -210,10 +210,10 @@ class SchedulingPolicyRequest(RequestBody):
 
     @field_validator("policy")
     @classmethod
-    def _known_policy(cls, policy: str) -> str:
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
-        return policy
+    def _known_policy(cls, policy: str) -> SchedulingPolicy:
+        if policy not in tuple(SchedulingPolicy):
+            raise ValueError(f"must be one of {', '.join(SchedulingPolicy)}, got {policy!r}")
+        return SchedulingPolicy(policy)
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -6,9 +6,7 @@ import asyncio
 
 
 class ServerState:
-    def __init__(self, scheduling_policy: str) -> None:
-        # Changed only through the admin endpoint, which reports it in /health and /metrics.
-        self.scheduling_policy = scheduling_policy
+    def __init__(self) -> None:
         self.draining = False
         self.dead_reason: str | None = None
         # Set when the drain gave up and cancelled what was left (see abort_in_flight).

@@ -46,7 +46,7 @@ class Executor(Protocol):
 
 
 def create_executor(config: EngineConfig, device: torch.device) -> Executor:
-    if config.tensor_parallel_size == 1:
+    if config.parallel.tensor_parallel_size == 1:
         return ModelRunner(config, device)
     return MultiprocExecutor(config, device.type)
 
@@ -74,7 +74,7 @@ class WorkerDiedError(RuntimeError):
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, device_type: str) -> None:
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.parallel.tensor_parallel_size
         if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
             raise ValueError(f"tensor_parallel_size={self.world_size} needs {self.world_size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
@@ -181,7 +181,7 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
     # The EngineCore decides when workers stop (EOF on the pipe), not signals to the process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    world_size = config.tensor_parallel_size
+    world_size = config.parallel.tensor_parallel_size
     if device_type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)

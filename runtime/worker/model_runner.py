@@ -25,7 +25,7 @@ class ModelRunner:
         self.max_model_len = config.scheduler.max_model_len
         self.model = load_model(config.model, get_attention_backend(attention_backend, device), device)
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
         self.batch = InputBatch(
             max_num_reqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,

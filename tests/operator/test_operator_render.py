@@ -197,9 +197,9 @@ def test_probes_use_health() -> None:
 def test_serve_flags_follow_the_engine_spec() -> None:
     assert render.serve_args(engine()) == [
         "/var/lib/kvpilot/model",
-        "--served-model-name", "llama-3-8b",
         "--host", "0.0.0.0",
         "--port", "8000",
+        "--served-model-name", "llama-3-8b",
         "--tensor-parallel-size", "2",
         "--max-num-seqs", "128",
         "--max-num-batched-tokens", "8192",

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
+from kvpilot.runtime.config import SchedulingPolicy
 from kvpilot.runtime.request import Request
 
 
@@ -137,16 +138,12 @@ class PriorityRequestQueue(RequestQueue):
         return iter(sorted(self._requests.values(), key=priority_key))
 
 
-_QUEUES: dict[str, type[RequestQueue]] = {
-    "fcfs": FCFSRequestQueue,
-    "priority": PriorityRequestQueue,
+_QUEUES: dict[SchedulingPolicy, type[RequestQueue]] = {
+    SchedulingPolicy.FCFS: FCFSRequestQueue,
+    SchedulingPolicy.PRIORITY: PriorityRequestQueue,
 }
 
 
-def create_request_queue(policy: str) -> RequestQueue:
-    try:
-        return _QUEUES[policy]()
-    except KeyError:
-        raise ValueError(
-            f"unknown scheduling policy {policy!r}; expected one of {', '.join(_QUEUES)}"
-        ) from None
+def create_request_queue(policy: SchedulingPolicy | str) -> RequestQueue:
+    """ValueError naming the policy when it is not one the scheduler knows."""
+    return _QUEUES[SchedulingPolicy.parse(policy)]()

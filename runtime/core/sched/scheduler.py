@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from kvpilot.runtime.config import SchedulerConfig, SchedulingPolicy
+from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
 from kvpilot.runtime.core.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -15,18 +16,13 @@ from kvpilot.runtime.core.sched.request_queue import create_request_queue
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    # Only for annotations: the config module imports torch, and the scheduler needs none.
-    from kvpilot.runtime.config import SchedulerConfig
-    from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self._policy = config.policy
-        self.waiting = create_request_queue(config.policy)
+        self._policy = SchedulingPolicy.parse(config.policy)
+        self.waiting = create_request_queue(self._policy)
         # Admission order; a dict so that removal is O(1) and the last admitted is at the end.
         self.running: dict[str, Request] = {}
         # Every unfinished request, waiting or running.
@@ -36,7 +32,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     @property
-    def policy(self) -> str:
+    def policy(self) -> SchedulingPolicy:
         return self._policy
 
     @property
@@ -59,7 +55,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
-    def set_policy(self, policy: str) -> None:
+    def set_policy(self, policy: SchedulingPolicy | str) -> None:
+        """Live from the next step; ValueError for a policy the scheduler does not know."""
+        policy = SchedulingPolicy.parse(policy)
         queue = create_request_queue(policy)
         if policy == self._policy:
             return
@@ -166,7 +164,7 @@ class Scheduler:
         return admitted
 
     def _pick_victim(self) -> Request:
-        if self._policy == "priority":
+        if self._policy == SchedulingPolicy.PRIORITY:
             return max(self.running.values(), key=lambda r: (r.priority, r.arrival_time))
         return next(reversed(self.running.values()))
 
@@ -234,7 +232,7 @@ class Scheduler:
                 return True
         max_model_len = self.config.max_model_len
         if request.num_output_tokens >= request.max_tokens or (
-            max_model_len > 0 and request.num_tokens >= max_model_len
+            max_model_len is not None and request.num_tokens >= max_model_len
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

@@ -453,17 +453,17 @@ def test_victim_choice_follows_a_policy_set_at_runtime():
 
 
 EOS = 2
-# id, sampling params, the tokens the model samples, max_model_len (0: none),
+# id, sampling params, the tokens the model samples, max_model_len (None: none),
 # how many of those tokens the request keeps, finish_reason, stop_reason
 STOP_CASES = [
-    ("min_tokens-holds-eos", dict(min_tokens=3), [EOS] * 4, 0, 3, "stop", None),
-    ("min_tokens-holds-stop-id", dict(min_tokens=2, stop_token_ids=[9]), [9, 9], 0, 2, "stop", 9),
-    ("eos-before-stop-id", dict(stop_token_ids=[EOS]), [5, EOS], 0, 2, "stop", None),
-    ("stop-id-before-max_tokens", dict(max_tokens=2, stop_token_ids=[9]), [5, 9], 0, 2, "stop", 9),
-    ("eos-before-max_tokens", dict(max_tokens=2), [5, EOS], 0, 2, "stop", None),
-    ("ignore_eos", dict(max_tokens=3, ignore_eos=True), [EOS] * 3, 0, 3, "length", None),
+    ("min_tokens-holds-eos", dict(min_tokens=3), [EOS] * 4, None, 3, "stop", None),
+    ("min_tokens-holds-stop-id", dict(min_tokens=2, stop_token_ids=[9]), [9, 9], None, 2, "stop", 9),
+    ("eos-before-stop-id", dict(stop_token_ids=[EOS]), [5, EOS], None, 2, "stop", None),
+    ("stop-id-before-max_tokens", dict(max_tokens=2, stop_token_ids=[9]), [5, 9], None, 2, "stop", 9),
+    ("eos-before-max_tokens", dict(max_tokens=2), [5, EOS], None, 2, "stop", None),
+    ("ignore_eos", dict(max_tokens=3, ignore_eos=True), [EOS] * 3, None, 3, "length", None),
     ("max_model_len", dict(max_tokens=100), [5] * 3, 6, 2, "length", None),
-    ("max_tokens", dict(max_tokens=3), [5] * 4, 0, 3, "length", None),
+    ("max_tokens", dict(max_tokens=3), [5] * 4, None, 3, "length", None),
 ]
 
 

@@ -39,7 +39,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    llm = AsyncLLM(EngineArgs(model=str(tiny_llama_dir), enable_prefix_caching=False, max_num_seqs=8))
+    llm = AsyncLLM(EngineArgs(model=str(tiny_llama_dir), enable_prefix_caching=False, max_num_seqs=8).create_engine_config())
     yield llm
     llm.shutdown()
 
@@ -171,11 +171,11 @@ def test_engine_start_failure_reports_the_engine_error(tiny_llama_dir, tmp_path)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (broken / name).write_bytes((tiny_llama_dir / name).read_bytes())
     with pytest.raises(RuntimeError, match="safetensors"):
-        AsyncLLM(EngineArgs(model=str(broken)))
+        AsyncLLM(EngineArgs(model=str(broken)).create_engine_config())
 
 
 def test_engine_death_fails_requests_promptly(tiny_llama_dir):
-    engine = AsyncLLM(EngineArgs(model=str(tiny_llama_dir)))
+    engine = AsyncLLM(EngineArgs(model=str(tiny_llama_dir)).create_engine_config())
     reasons = []
     engine.on_engine_dead(reasons.append)
 

@@ -49,7 +49,11 @@ def test_a_folder_without_a_model_is_refused(capsys, tmp_path):
 
 
 def test_engine_limits_are_checked_before_the_engine_starts(capsys, tiny_llama_dir):
-    assert "block_size" in _usage_error(capsys, str(tiny_llama_dir), "--block-size", "3")
+    # The flag's choices come from the block_size setting itself.
+    assert "argument --block-size: invalid choice: 3" in _usage_error(
+        capsys, str(tiny_llama_dir), "--block-size", "3")
+    assert "max_model_len 100000 exceeds the model's max_position_embeddings" in _usage_error(
+        capsys, str(tiny_llama_dir), "--max-model-len", "100000")
     assert "tensor_parallel_size 3 does not divide" in _usage_error(
         capsys, str(tiny_llama_dir), "--tensor-parallel-size", "3")
 

@@ -86,7 +86,7 @@ def test_finished_requests():
 def test_scheduling_policy_info_and_requests_in_flight():
     in_flight = [0]
     metrics = ServerMetrics("m", 16, 10, http_requests_in_flight=lambda: in_flight[0])
-    metrics.set_scheduling_policy("priority")
+    metrics.record_engine_stats(_stats(scheduling_policy="priority"))
     in_flight[0] = 4
     samples = _samples(metrics)
     assert sum_samples(samples, "kvpilot:scheduling_policy_info", policy="priority") == 1

@@ -1,0 +1,74 @@
+"""The one table from an InferenceEngine's spec to the `kvpilot serve` flags its pods run with.
+
+Each spec field that becomes a flag is listed once, in `SPEC_FLAGS`, in the order the flags are
+rendered. Where the CRD's name is not the flag's name in camelCase, the entry says why.
+`RESERVED_FLAGS` are the flags the operator sets from its own pod layout (or keeps out of pod
+arguments). The CRD's extraArgs rule refuses both kinds. Tests check this table against the CRD
+schema, against `kvpilot serve`'s own flags, and against that extraArgs rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+def initial_scheduling_policy(policy: str) -> str:
+    # `auto` starts calm; the policy tuner switches live engines to `priority` under pressure.
+    return "fcfs" if policy == "auto" else policy
+
+
+@dataclass(frozen=True)
+class SpecFlag:
+    path: tuple[str, ...]  # under spec
+    flag: str
+    # Why the field is not named after the flag; empty where it is.
+    renamed_because: str = ""
+    # The flag's value from the field's; a bool field renders as --flag / --no-flag instead.
+    convert: Callable[[Any], str] = str
+
+    def args(self, spec: Mapping[str, Any]) -> list[str]:
+        value: Any = spec
+        for key in self.path:
+            if key not in value:
+                return []  # unset: the engine's own default applies
+            value = value[key]
+        if isinstance(value, bool):
+            return [self.flag if value else "--no-" + self.flag.removeprefix("--")]
+        return [self.flag, self.convert(value)]
+
+
+SPEC_FLAGS: tuple[SpecFlag, ...] = (
+    SpecFlag(("model", "name"), "--served-model-name",
+             "the model block names the model once; vLLM calls that name the served model name"),
+    SpecFlag(("parallelism", "tensor"), "--tensor-parallel-size",
+             "parallelism groups the ways a pod splits the model (tensor now, pipeline later), as LeaderWorkerSet does"),
+    SpecFlag(("engine", "maxNumSeqs"), "--max-num-seqs"),
+    SpecFlag(("engine", "maxNumBatchedTokens"), "--max-num-batched-tokens"),
+    SpecFlag(("engine", "maxModelLen"), "--max-model-len"),
+    SpecFlag(("engine", "gpuMemoryUtilization"), "--gpu-memory-utilization"),
+    SpecFlag(("engine", "blockSize"), "--block-size"),
+    SpecFlag(("engine", "enablePrefixCaching"), "--enable-prefix-caching"),
+    SpecFlag(("scheduling", "policy"), "--scheduling-policy",
+             "scheduling groups the policy with the tenants it orders; `auto` starts engines at fcfs",
+             convert=initial_scheduling_policy),
+    SpecFlag(("engine", "shutdownTimeoutSeconds"), "--shutdown-timeout",
+             "Kubernetes API conventions put a duration's unit in the field name"),
+)
+
+# Flag -> why no spec field (or extraArgs entry) sets it.
+RESERVED_FLAGS: dict[str, str] = {
+    "--host": "the pod listens on all addresses",
+    "--port": "the container port, which the Service and the probes use",
+    "--tenants-file": "rendered from scheduling.tenants into the ConfigMap",
+    "--admin-token-file": "the operator's own token, for the policy tuner",
+    "--api-key": "a key in the pod's arguments would be readable by anyone who can read the Deployment; "
+                 "use scheduling.tenants with apiKeySecretRef",
+    "--model": "vLLM's spelling of the model argument; the operator passes the mounted model folder itself",
+}
+
+
+def spec_args(spec: Mapping[str, Any]) -> list[str]:
+    """The flags SPEC_FLAGS renders from `spec`, in table order."""
+    return [arg for spec_flag in SPEC_FLAGS for arg in spec_flag.args(spec)]

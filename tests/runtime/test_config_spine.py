@@ -1,0 +1,93 @@
+"""The config spine: every engine setting is declared once, and EngineArgs and the serve flags follow it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from kvpilot.runtime import cli
+from kvpilot.runtime.config import (
+    ENGINE_SETTINGS,
+    CacheConfig,
+    EngineArgs,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    return cli.build_parser().parse_args(["serve"]).subparser
+
+
+def _declared_settings() -> dict[str, dataclasses.Field]:
+    declared = {}
+    for cls in CONFIG_CLASSES:
+        for f in dataclasses.fields(cls):
+            if "setting" in f.metadata:
+                declared[f.metadata["setting"].arg or f.name] = f
+    return declared
+
+
+def test_engine_args_are_exactly_the_declared_settings():
+    declared = _declared_settings()
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    assert list(fields)[0] == "model"
+    assert set(fields) - {"model"} == set(declared)
+    for name, f in declared.items():
+        assert fields[name].default == f.default, name
+
+
+def test_every_setting_is_a_serve_flag_with_its_default_help_and_choices():
+    actions = {action.dest: action for action in _serve_parser()._actions}
+    for engine_setting in ENGINE_SETTINGS:
+        action = actions[engine_setting.arg]
+        assert action.option_strings[0] == "--" + engine_setting.arg.replace("_", "-")
+        assert action.help == engine_setting.description.help and action.help
+        assert action.default == engine_setting.default, engine_setting.arg
+        if engine_setting.description.choices:
+            assert list(action.choices) == list(engine_setting.description.choices)
+    engine_group = next(g for g in _serve_parser()._action_groups if g.title == "engine")
+    assert [a.dest for a in engine_group._group_actions] == [s.arg for s in ENGINE_SETTINGS]
+
+
+def test_serve_flags_become_the_same_engine_args_as_the_keywords(monkeypatch, tiny_llama_dir):
+    seen = []
+    monkeypatch.setattr("kvpilot.runtime.server.launcher.run_server",
+                        lambda engine_config, *args, **kwargs: seen.append(engine_config) or 0)
+    flags = ["--max-num-seqs", "3", "--block-size", "8", "--no-enable-prefix-caching",
+             "--scheduling-policy", "priority", "--gpu-memory-utilization", "0.5", "--max-model-len", "64"]
+    assert cli.main(["serve", str(tiny_llama_dir), *flags]) == 0
+    expected = EngineArgs(model=str(tiny_llama_dir), max_num_seqs=3, block_size=8, enable_prefix_caching=False,
+                          scheduling_policy="priority", gpu_memory_utilization=0.5,
+                          max_model_len=64).create_engine_config()
+    assert seen == [expected]
+    assert expected.scheduler.policy is SchedulingPolicy.PRIORITY
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_num_seqs": "4"}, "max_num_seqs must be int, got '4'"),
+    ({"enable_prefix_caching": 1}, "enable_prefix_caching must be bool, got 1"),
+    ({"num_gpu_blocks_override": True}, "num_gpu_blocks_override must be int, got True"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization must be greater than 0.0, got 0"),
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be a non-negative integer, got -1"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority, got 'lifo'"),
+])
+def test_a_bad_value_is_named_by_its_setting(tiny_llama_dir, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        EngineArgs(model=str(tiny_llama_dir), **kwargs).create_engine_config()
+    assert str(err.value) == message
+
+
+def test_serve_builds_the_config_once(monkeypatch, tiny_llama_dir):
+    calls = []
+    build = EngineArgs.create_engine_config
+    monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: calls.append(self) or build(self))
+    monkeypatch.setattr("kvpilot.runtime.server.launcher.run_server", lambda engine_config, *a, **k: 0)
+    assert cli.main(["serve", str(tiny_llama_dir)]) == 0
+    assert len(calls) == 1
