@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # module if `python -m` put the working directory on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: test venv serve chart-sync crd-reference
+.PHONY: test venv serve bench chart-sync crd-reference
 
 # The venv is rebuilt whenever the pinned requirements change.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[runtime,operator,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[runtime,operator,bench,test]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -24,6 +24,10 @@ test: venv
 # The demo model is built into ~/.cache/kvpilot on first use by `serve` itself.
 serve: venv
 	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
+
+# Every script in bench/, one after the other (each prints its markdown table; see BENCHMARKS.md).
+bench: venv
+	for script in bench/*.py; do $(PY) $$script || exit 1; done
 
 # Helm reads no file outside the chart's folder: refresh the chart's copies of crds/ and of
 # operator/rbac.yaml after changing either (tests fail while a copy is stale).

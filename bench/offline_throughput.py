@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=512, help="shared prefix of the prefix-caching workload")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -54,7 +55,9 @@ def main() -> None:
     rng = random.Random(args.seed)
     llm = LLM(model_dir)
     vocab = llm.config.model.vocab_size
-    prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(32, 256))] for _ in range(args.num_prompts)]
+    longest = min(256, llm.config.scheduler.max_model_len - args.new_tokens)
+    prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(min(32, longest), longest))]
+               for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
 
     llm.generate(prompts[:2], params)  # warm-up
@@ -65,7 +68,7 @@ def main() -> None:
     _hf_generate(hf, prompts[:2], 4, pad_id=2)  # warm-up
     hf_tokens, hf_seconds = _timed(lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id=2))
 
-    prefix = [rng.randrange(5, vocab) for _ in range(512)]
+    prefix = [rng.randrange(5, vocab) for _ in range(args.prefix_len)]
     shared = [prefix + [rng.randrange(5, vocab) for _ in range(16)] for _ in range(args.num_prompts)]
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     timings = {}
@@ -82,7 +85,7 @@ def main() -> None:
     print(f"| {args.num_prompts} prompts x {args.new_tokens} new tokens (greedy) | "
           f"{kv_tokens / kv_seconds:.0f} tok/s | transformers generate: {hf_tokens / hf_seconds:.0f} tok/s | "
           f"{(kv_tokens / kv_seconds) / (hf_tokens / hf_seconds):.2f}x |")
-    print(f"| {args.num_prompts} prompts sharing a 512-token prefix, 4 new tokens | "
+    print(f"| {args.num_prompts} prompts sharing a {args.prefix_len}-token prefix, 4 new tokens | "
           f"prefix caching on: {timings[True]:.2f} s | off: {timings[False]:.2f} s | "
           f"{timings[False] / timings[True]:.2f}x |")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import sys
@@ -11,6 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Stdlib only: the engine's settings for `serve`, without torch.
+from kvpilot.runtime.argtypes import non_negative_float, positive_int
+from kvpilot.runtime.benchmarks.cli import add_bench
 from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting
 
 # A handler gets the parsed args and its own subparser, so usage errors it finds late
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="An LLM engine in the shape of vLLM V1.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
+    add_bench(commands)
     _add_make_tiny_model(commands)
     _add_operator(commands)
     return parser
@@ -31,20 +33,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     return handler(args, args.subparser)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {value}")
-    return value
 
 
 # make_tiny_model argument -> the flag that sets it, to name the flag in usage errors.
@@ -78,7 +66,7 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
         ("--vocab", "vocab_size", 512, "vocabulary size, tokenizer and model alike"),
     ]
     for flag, dest, default, help_text in sizes:
-        sub.add_argument(flag, dest=dest, metavar="N", type=_positive_int, default=default, help=help_text)
+        sub.add_argument(flag, dest=dest, metavar="N", type=positive_int, default=default, help=help_text)
     sub.add_argument(
         "--llama3-rope-scaling", action="store_true", help="use llama3 rope scaling (llama only)"
     )
@@ -176,7 +164,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", help="model folder (default: the demo model)")
     http = sub.add_argument_group("HTTP server")
     http.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    http.add_argument("--port", type=_positive_int, default=8000, help="port to listen on")
+    http.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model name clients send (default: MODEL_DIR as given, or tiny-llama)")
     http.add_argument("--api-key", metavar="KEY",
@@ -187,7 +175,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                       help="let the X-Kvpilot-Tenant header name the tenant (behind a trusted gateway only)")
     http.add_argument("--admin-token-file", metavar="PATH", type=Path,
                       help="file holding the Bearer token for /admin/* (without it /admin/* is 404)")
-    http.add_argument("--shutdown-timeout", metavar="SECONDS", type=_non_negative_float, default=30.0,
+    http.add_argument("--shutdown-timeout", metavar="SECONDS", type=non_negative_float, default=30.0,
                       help="on SIGTERM, how long requests in flight may run before they are aborted")
 
     add_engine_flags(sub.add_argument_group("engine"))

@@ -1,0 +1,1 @@
+"""`kvpilot bench`: load generators and reports against any OpenAI-compatible server."""

@@ -1,0 +1,27 @@
+"""Every script in bench/ runs end to end in a tiny mode, so that none can rot between benchmark runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+TINY_ARGS = {
+    "offline_throughput.py": ["--num-prompts", "2", "--new-tokens", "2", "--prefix-len", "24"],
+    "serving_throughput.py": ["--num-requests", "2", "--max-tokens", "2"],
+}
+
+
+def test_every_script_has_a_tiny_mode():
+    assert {path.name for path in BENCH.glob("*.py")} == set(TINY_ARGS)
+
+
+@pytest.mark.parametrize("script", sorted(TINY_ARGS))
+def test_the_script_runs_and_prints_its_table(script, tiny_llama_dir):
+    result = subprocess.run([sys.executable, str(BENCH / script), "--model", str(tiny_llama_dir), *TINY_ARGS[script]],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| workload |" in result.stdout and "x |" in result.stdout
