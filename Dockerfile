@@ -33,6 +33,7 @@ RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.tom
 COPY runtime runtime
 COPY kernels kernels
 COPY operator operator
+COPY setup.py ./
 RUN pip install --no-cache-dir --no-deps .
 
 FROM ${RUNTIME_BASE} AS runtime
@@ -63,6 +64,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY runtime runtime
 COPY kernels kernels
 COPY operator operator
+COPY setup.py ./
 RUN pip install --no-cache-dir --no-deps .
 
 FROM ${OPERATOR_BASE} AS operator

@@ -8,7 +8,7 @@ export PYTHONSAFEPATH := 1
 .PHONY: test venv serve bench chart-sync crd-reference
 
 # The venv is rebuilt whenever the pinned requirements change.
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
