@@ -45,7 +45,6 @@ RUN apt-get update \
 COPY --from=runtime-build /opt/kvpilot /opt/kvpilot
 # Caches (the demo model, tokenizer files) go to a writable volume: the root filesystem is read-only.
 ENV PATH=/opt/kvpilot/bin:$PATH \
-    PYTHONSAFEPATH=1 \
     XDG_CACHE_HOME=/var/cache/kvpilot \
     HF_HUB_OFFLINE=1
 USER 1000
@@ -70,7 +69,6 @@ RUN pip install --no-cache-dir --no-deps .
 FROM ${OPERATOR_BASE} AS operator
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvpilot
 COPY --from=operator-build /opt/kvpilot /opt/kvpilot
-ENV PATH=/opt/kvpilot/bin:$PATH \
-    PYTHONSAFEPATH=1
+ENV PATH=/opt/kvpilot/bin:$PATH
 USER 1000
 ENTRYPOINT ["kvpilot", "operator"]

@@ -1,9 +1,6 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-# The repository root holds a folder named `operator`, which would shadow the standard library's
-# module if `python -m` put the working directory on sys.path.
-export PYTHONSAFEPATH := 1
 
 .PHONY: test venv serve bench chart-sync crd-reference
 

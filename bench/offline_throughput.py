@@ -5,7 +5,7 @@ Two comparisons, each a ratio of wall-clock times measured here, one after the o
    (left-padded, KV cache on), same prompts, same number of new tokens;
 2. shared-prefix prefill: kvpilot with prefix caching on vs off.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/offline_throughput.py [--model DIR]
+    .venv/bin/python bench/offline_throughput.py [--model DIR]
 """
 
 from __future__ import annotations

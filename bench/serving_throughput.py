@@ -4,7 +4,7 @@ Starts `kvpilot serve` on a tiny checkpoint, then sends N streaming completions 
 and concurrently (continuous batching folds them into shared steps). Reports generated tokens/s
 of each and their ratio.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/serving_throughput.py [--model DIR]
+    .venv/bin/python bench/serving_throughput.py [--model DIR]
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -68,7 +67,7 @@ def main() -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "kvpilot.runtime.cli", "serve", model_dir, "--host", "127.0.0.1",
          "--port", str(port), "--served-model-name", "bench"],
-        env={**os.environ, "PYTHONSAFEPATH": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -205,7 +205,7 @@ def test_the_api_process_side_never_imports_torch():
     import sys
 
     code = "import sys, kvpilot.runtime.engine.async_llm; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_a_reused_request_id_never_receives_the_old_requests_tokens(engine, loop):

@@ -90,8 +90,7 @@ def start_server(model_dir: Path | None, workdir: Path, *args: str, env: dict[st
     log_path = workdir / f"server-{port}.log"
     command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", *([] if model_dir is None else [str(model_dir)]),
                "--host", "127.0.0.1", "--port", str(port), *args]
-    # PYTHONSAFEPATH: the repository root's operator/ folder must not shadow the stdlib module.
-    env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
+    env = {**os.environ, **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)

@@ -64,7 +64,7 @@ def test_the_console_script_and_python_m_both_run_the_cli():
                             timeout=120)
     assert result.returncode == 2 and "--max-num-seqs" in result.stderr
     result = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--help"], capture_output=True,
-                            text=True, timeout=120, env={"PYTHONSAFEPATH": "1", "PATH": ""})
+                            text=True, timeout=120, env={"PATH": ""})
     assert result.returncode == 0 and "--served-model-name" in result.stdout
 
 
