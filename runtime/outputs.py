@@ -5,7 +5,7 @@ The per-step types are msgspec Structs because they cross the EngineCore's outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -59,7 +59,8 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    # The stop token id or stop string that ended it, if any.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -74,4 +75,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)

@@ -22,7 +22,11 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    # Strings that end the text; the frontend finds them (the engine only sees tokens). A single
+    # string is taken as a list of one.
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
@@ -56,14 +60,13 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if "" in self.stop:
+            raise ValueError("stop strings must not be empty")
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The params of choice `index` of n: one sequence, and its own seed when seeded."""
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
 
 
 class RequestStatus(enum.IntEnum):

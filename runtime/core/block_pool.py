@@ -24,10 +24,6 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 
-    @property
-    def is_null(self) -> bool:
-        return self.block_id == 0
-
     def __repr__(self) -> str:
         cached = "" if self.block_hash is None else ", cached"
         return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}{cached})"

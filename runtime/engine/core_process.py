@@ -13,7 +13,7 @@ import queue
 import signal
 import threading
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 import zmq
@@ -25,6 +25,7 @@ from kvpilot.runtime.engine.messages import (
     EngineCoreRequest,
     HandshakeReady,
     RequestType,
+    Utility,
     UtilityCall,
     UtilityResult,
 )
@@ -43,6 +44,13 @@ _DECODERS = {
     RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     RequestType.ABORT: msgspec.msgpack.Decoder(AbortRequests),
     RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+}
+
+# What each utility call runs; a frontend can name nothing else (an unknown method fails to decode).
+_UTILITIES: dict[Utility, Callable[..., object]] = {
+    Utility.GET_STATS: lambda core: core.get_stats(),
+    Utility.RESET_PREFIX_CACHE: lambda core: core.reset_prefix_cache(),
+    Utility.SET_SCHEDULING_POLICY: lambda core, policy: core.set_scheduling_policy(policy),
 }
 
 
@@ -177,15 +185,7 @@ class _EngineLoop:
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         try:
-            if call.method == "get_stats":
-                value = self.core.get_stats()
-            elif call.method == "reset_prefix_cache":
-                value = self.core.reset_prefix_cache()
-            elif call.method == "set_scheduling_policy":
-                self.core.set_scheduling_policy(*call.args)
-                value = None
-            else:
-                raise ValueError(f"unknown utility method {call.method!r}")
+            value = _UTILITIES[call.method](self.core, *call.args)
         except (ValueError, TypeError) as exc:
             return UtilityResult(call_id=call.call_id, error=str(exc))
         return UtilityResult(call_id=call.call_id, value=value)

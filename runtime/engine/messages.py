@@ -25,6 +25,14 @@ class RequestType(enum.Enum):
     SHUTDOWN = b"\x03"
 
 
+class Utility(enum.Enum):
+    """The EngineCore methods a frontend may call; the engine process maps each to its handler."""
+
+    GET_STATS = "get_stats"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    SET_SCHEDULING_POLICY = "set_scheduling_policy"
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -52,8 +60,7 @@ class EngineStats(msgspec.Struct, array_like=True):
 
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
-    # get_stats | reset_prefix_cache | set_scheduling_policy
-    method: str
+    method: Utility
     args: list[str] = []
 
 

@@ -1,16 +1,17 @@
-"""The API server's side of each request: detokenize, cut at stop strings, decode logprobs, time it.
+"""The frontend's side of each request: detokenize, cut at stop strings, decode logprobs, time it.
 
 One ChoiceState per request in the engine (a client request with n choices has n). The
 OutputProcessor turns the engine's per-step outputs into StreamOutput deltas for the request's
-consumer, and reports each finished choice to the stat loggers. It runs on the event loop only.
+consumer, and reports each finished choice to the stat loggers. AsyncLLM and the offline LLM
+share it, so the same tokens give the same text, stop and logprobs in both; it runs on one
+thread (AsyncLLM's event loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from tokenizers import Tokenizer
 
@@ -70,11 +71,16 @@ class StatLogger(Protocol):
     def record_finished_request(self, stats: FinishedRequestStats) -> None: ...
 
 
+# Where a choice's StreamOutputs go (or the error that ended the engine): a queue's put_nowait
+# for AsyncLLM, a list's append for the offline LLM.
+Sink = Callable[["StreamOutput | BaseException"], None]
+
+
 class ChoiceState:
     """The frontend's state for one request in the engine (one choice of a client request)."""
 
     def __init__(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
-                 num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: asyncio.Queue,
+                 num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: Sink,
                  tenant: str | None) -> None:
         self.request_id = request_id
         self.engine_id = engine_id
@@ -126,6 +132,16 @@ class OutputProcessor:
         self.choices: dict[str, ChoiceState] = {}
         self.stat_loggers: list[StatLogger] = []
 
+    def add_request(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
+                    num_prompt_tokens: int, sink: Sink, tenant: str | None = None) -> None:
+        """Track choice `index` of client request `request_id`, known to the engine as `engine_id`."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.choices[engine_id] = ChoiceState(request_id, engine_id, index, params, num_prompt_tokens,
+                                              detokenizer, sink, tenant)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.choices)
+
     def engine_ids_of(self, request_ids: set[str]) -> list[str]:
         return [engine_id for engine_id, choice in self.choices.items() if choice.request_id in request_ids]
 
@@ -150,12 +166,12 @@ class OutputProcessor:
             if choice is None:
                 continue
             if notify:
-                choice.sink.put_nowait(self._stream_output(choice, [], None, "abort", None))
+                choice.sink(self._stream_output(choice, [], None, "abort", None))
             self._record_finished(choice, "abort")
 
     def fail_all(self, error: BaseException) -> None:
         for choice in self.choices.values():
-            choice.sink.put_nowait(error)
+            choice.sink(error)
         self.choices.clear()
 
     def _process_output(self, choice: ChoiceState, output: EngineCoreOutput, now: float) -> bool:
@@ -176,7 +192,7 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop_string
         if not output.new_token_ids and finish_reason is None:
             return False  # a prefill chunk: nothing to show yet
-        choice.sink.put_nowait(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
+        choice.sink(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
                                                    finish_reason, stop_reason))
         if finish_reason is not None:
             del self.choices[choice.engine_id]

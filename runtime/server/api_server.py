@@ -14,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.server.admission import AdmissionMiddleware
 from kvpilot.runtime.server.auth import AdminToken, Authenticator
 from kvpilot.runtime.server.chat import chat_prompt_token_ids, create_chat_completion

@@ -22,7 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.request import SamplingParams
@@ -46,8 +47,6 @@ class EngineRequest:
     params: SamplingParams
     priority: int
     cache_salt: str | None
-    stop: list[str]
-    include_stop_str_in_output: bool
     tenant: str | None
 
 
@@ -148,7 +147,8 @@ class Serving:
         try:
             params = SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop_token_ids=body.stop_token_ids,
+                top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings,
+                stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
             )
             self.engine.validate(prompt_token_ids, params)
@@ -161,9 +161,7 @@ class Serving:
             cache_salt = self.tenants.cache_salt(tenant, body.cache_salt)
         return EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, priority=priority,
-            cache_salt=cache_salt, stop=body.stop_strings,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            tenant=None if tenant is None else tenant.name,
+            cache_salt=cache_salt, tenant=None if tenant is None else tenant.name,
         )
 
     async def respond(self, http_request: Request, request: EngineRequest, response_format: ResponseFormat,
@@ -183,8 +181,7 @@ class Serving:
     def _generate(self, request: EngineRequest) -> AsyncIterator[StreamOutput]:
         return self.engine.generate(
             request.prompt_token_ids, request.params, request.request_id, priority=request.priority,
-            cache_salt=request.cache_salt, stop=request.stop or None,
-            include_stop_str_in_output=request.include_stop_str_in_output, tenant=request.tenant,
+            cache_salt=request.cache_salt, tenant=request.tenant,
         )
 
     async def _collect(self, request: EngineRequest) -> tuple[list[Choice], Usage]:

@@ -57,7 +57,7 @@ def test_queue_rejects_removing_an_unqueued_block_and_popping_when_empty() -> No
 
 def test_null_block_is_never_handed_out() -> None:
     pool = BlockPool(num_blocks=4, enable_caching=True)
-    assert pool.null_block.is_null and pool.null_block.block_id == 0
+    assert pool.null_block.block_id == 0
     assert pool.null_block not in pool.free_block_queue.get_all_free_blocks()
 
     blocks = pool.get_new_blocks(3)

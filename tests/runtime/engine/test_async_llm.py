@@ -11,7 +11,8 @@ import pytest
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import FinishedRequestStats
 
 PROMPTS = ["The quick brown fox", "To bake a simple loaf of bread", "A cache keeps", "In 1969"]
@@ -49,7 +50,7 @@ def stat_logger(engine):
     recorder = RecordingStatLogger()
     engine.add_stat_logger(recorder)
     yield recorder
-    engine.remove_stat_logger(recorder)
+    engine.output_processor.stat_loggers.remove(recorder)
 
 
 async def _collect(engine, prompt, params, request_id, **kwargs):
@@ -96,7 +97,7 @@ def test_n_fans_out_into_seeded_children(engine, loop):
 def test_stop_string_ends_the_request(engine, loop):
     full = "".join(o.text for o in loop.run_until_complete(_collect(engine, PROMPTS[1], _greedy(), "full")))
     stop = full[8:11]
-    outputs = loop.run_until_complete(_collect(engine, PROMPTS[1], _greedy(), "stopped", stop=[stop]))
+    outputs = loop.run_until_complete(_collect(engine, PROMPTS[1], _greedy(stop=[stop]), "stopped"))
     assert "".join(o.text for o in outputs) == full[: full.index(stop)]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
     stats = loop.run_until_complete(_wait_idle(engine))
@@ -127,7 +128,7 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks(engine, loop, stat_logg
     stats = loop.run_until_complete(scenario())
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.kv_cache_usage == 0.0
-    assert engine.num_unfinished_requests == 0
+    assert not engine.output_processor.has_unfinished_requests()
     assert [s.finish_reason for s in stat_logger.finished] == ["abort"] * 6
 
 
@@ -137,7 +138,7 @@ def test_bad_input_is_refused_before_queueing(engine, loop):
     with pytest.raises(ValueError, match="max_model_len"):
         loop.run_until_complete(
             engine.generate([5] * engine.max_model_len, _greedy(), "long").__anext__())
-    assert engine.num_unfinished_requests == 0
+    assert not engine.output_processor.has_unfinished_requests()
 
 
 def test_duplicate_request_id_is_refused(engine, loop):
@@ -182,7 +183,7 @@ def test_engine_death_fails_requests_promptly(tiny_llama_dir):
     async def scenario():
         stream = engine.generate(engine.encode(PROMPTS[0]), _greedy(max_tokens=2000), "doomed")
         await stream.__anext__()
-        os.kill(engine._process.pid, signal.SIGKILL)
+        os.kill(engine.engine_core._process.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(_drain(stream), timeout=10)
         with pytest.raises(EngineDeadError):
