@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes, utility routes, admin route, wired to one AsyncLLM."""
+"""The FastAPI app, wired to one AsyncLLM: the OpenAI routes, the utility routes and the admin routes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -60,8 +60,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # A first utility call starts AsyncLLM's output thread, which is also what notices an
-        # engine that dies while no request is running.
+        # A first utility call starts the engine client's output thread, which is also what
+        # notices an engine that dies while no request is running.
         metrics.record_engine_stats(await engine.get_stats())
         watcher = asyncio.create_task(config.tenants.watch()) if config.tenants is not None else None
         yield
@@ -78,24 +78,43 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
     app.add_middleware(AdmissionMiddleware, state=state,
                        authenticator=Authenticator(config.api_key, config.tenants, config.trust_tenant_header),
                        tenants=config.tenants)
+    app.include_router(_openai_routes(serving, template))
+    app.include_router(_utility_routes(serving, template, state, metrics))
+    app.include_router(_admin_routes(engine, config.admin_token, metrics))
+    return app
+
+
+def _openai_routes(serving: Serving, template: ChatTemplate) -> APIRouter:
+    """The OpenAI API: completions, chat completions, models."""
+    router = APIRouter()
+    engine = serving.engine
     created = int(time.time())
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, request, serving)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, serving, template)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": created, "owned_by": "kvpilot",
+            "id": serving.model_name, "object": "model", "created": created, "owned_by": "kvpilot",
             "root": engine.model_dir, "max_model_len": engine.max_model_len,
         }]}
 
-    @app.post("/tokenize")
+    return router
+
+
+def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState,
+                    metrics: ServerMetrics) -> APIRouter:
+    """vLLM's extras around the OpenAI API: tokenizer, health, version, Prometheus metrics."""
+    router = APIRouter()
+    engine = serving.engine
+
+    @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         serving.check_model(body.model)
         if body.prompt is not None:
@@ -105,7 +124,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
                                            add_generation_prompt=body.add_generation_prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         serving.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
@@ -114,7 +133,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
         # Special tokens are kept: detokenize(tokenize(text)) shows exactly what the model sees.
         return {"prompt": engine.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.get("/health")
+    @router.get("/health")
     async def health() -> JSONResponse:
         # The policy the engine last reported: the engine is the one place it is kept.
         body = {"status": state.status, "scheduling_policy": engine.latest_stats.scheduling_policy}
@@ -122,25 +141,32 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
             body["reason"] = state.dead_reason
         return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
 
-    @app.get("/version")
+    @router.get("/version")
     async def server_version() -> dict:
         try:
             return {"version": version("kvpilot")}
         except PackageNotFoundError:
             return {"version": "unknown"}
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         with contextlib.suppress(EngineDeadError, TimeoutError):
             metrics.record_engine_stats(await asyncio.wait_for(engine.get_stats(), STATS_REFRESH_TIMEOUT_S))
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/admin/scheduling")
+    return router
+
+
+def _admin_routes(engine: AsyncLLM, admin_token: AdminToken | None, metrics: ServerMetrics) -> APIRouter:
+    """Operator-only changes to the live engine, behind the admin token (404 without one)."""
+    router = APIRouter()
+
+    @router.post("/admin/scheduling")
     async def set_scheduling_policy(request: Request) -> dict:
-        if config.admin_token is None:
+        if admin_token is None:
             raise APIError(404, "no admin token is configured (--admin-token-file)", code="not_found")
         # The token is checked before the body is even parsed.
-        config.admin_token.check(request.headers)
+        admin_token.check(request.headers)
         try:
             body = SchedulingPolicyRequest.model_validate_json(await request.body())
         except ValidationError as err:
@@ -151,4 +177,4 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
         logger.info("scheduling policy set to %s", stats.scheduling_policy)
         return {"scheduling_policy": stats.scheduling_policy}
 
-    return app
+    return router

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -169,29 +171,46 @@ def _row_logprobs(tensors, row: int, num: int) -> TokenLogprobs:
     )
 
 
+@dataclass(frozen=True)
 class _StepInputs:
-    """Flattened inputs of one step, in batch-row order, computed with vectorised host arrays."""
+    """Flattened inputs of one step, in batch-row order, computed with vectorised host arrays.
+
+    Per request (in `req_ids` order): rows, starts, seq_lens, query_start_loc (one more entry).
+    Per scheduled token: positions, input_ids, slot_mapping.
+    """
+
+    req_ids: list[str]
+    rows: np.ndarray
+    # Tokens already in the KV cache before this step.
+    starts: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    positions: np.ndarray
+    input_ids: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    max_query_len: int
 
     @classmethod
     def build(cls, batch: InputBatch, num_scheduled: dict[str, int], block_size: int) -> "_StepInputs":
-        self = cls()
-        self.req_ids = [r for r in batch.req_ids if r is not None and r in num_scheduled]
-        self.rows = np.array([batch.row_of[r] for r in self.req_ids], dtype=np.int64)
-        counts = np.array([num_scheduled[r] for r in self.req_ids], dtype=np.int64)
-        self.starts = batch.num_computed_tokens[self.rows]
-        self.seq_lens = self.starts + counts
-        self.query_start_loc = np.concatenate(([0], np.cumsum(counts)))
+        req_ids = [r for r in batch.req_ids if r is not None and r in num_scheduled]
+        rows = np.array([batch.row_of[r] for r in req_ids], dtype=np.int64)
+        counts = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
+        starts = batch.num_computed_tokens[rows]
+        seq_lens = starts + counts
+        query_start_loc = np.concatenate(([0], np.cumsum(counts)))
 
-        token_rows = np.repeat(self.rows, counts)
-        offsets = np.arange(self.query_start_loc[-1]) - np.repeat(self.query_start_loc[:-1], counts)
-        self.positions = np.repeat(self.starts, counts) + offsets
-        self.input_ids = batch.token_ids[token_rows, self.positions]
-        block_ids = batch.block_table[token_rows, self.positions // block_size]
-        self.slot_mapping = block_ids * block_size + self.positions % block_size
-        max_blocks = int(-(-self.seq_lens.max() // block_size))
-        self.block_tables = batch.block_table[self.rows, :max_blocks]
-        self.max_query_len = int(counts.max())
-        return self
+        token_rows = np.repeat(rows, counts)
+        offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], counts)
+        positions = np.repeat(starts, counts) + offsets
+        block_ids = batch.block_table[token_rows, positions // block_size]
+        max_blocks = int(-(-seq_lens.max() // block_size))
+        return cls(
+            req_ids=req_ids, rows=rows, starts=starts, seq_lens=seq_lens, query_start_loc=query_start_loc,
+            positions=positions, input_ids=batch.token_ids[token_rows, positions],
+            slot_mapping=block_ids * block_size + positions % block_size,
+            block_tables=batch.block_table[rows, :max_blocks], max_query_len=int(counts.max()),
+        )
 
     def attention_metadata(self, device: torch.device) -> AttentionMetadata:
         decoding = np.diff(self.query_start_loc) == 1

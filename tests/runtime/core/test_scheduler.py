@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -552,3 +555,8 @@ def test_logprobs_and_prompt_logprobs_pass_through():
     [second] = h.sched.update_from_output(out, ModelRunnerOutput(["a"], [[8]], [[entry]]))
     assert second.new_token_ids == [8] and second.new_logprobs == [entry]
     assert second.new_prompt_logprobs is None
+
+
+def test_the_scheduler_never_imports_torch():
+    code = "import sys, kvpilot.runtime.core.sched.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode == 0

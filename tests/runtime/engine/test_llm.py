@@ -197,3 +197,44 @@ def test_a_seeded_request_draws_the_same_tokens_across_a_preemption(tiny_llama_d
     squeezed, preemptions = run(blocks=13, with_hog=True)
     assert preemptions > 0
     assert squeezed == alone
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(llm):
+    prompt = "To bake a simple loaf of bread"
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate(prompt, SamplingParams(**greedy))[0].outputs[0]
+    stop = full.text[8:11]
+    cut = full.text[: full.text.index(stop)]
+    stopped = llm.generate(prompt, SamplingParams(stop=[stop, "never-generated"], **greedy))[0].outputs[0]
+    assert stopped.text == cut
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    # The engine was told to stop: fewer tokens than asked, and nothing left running.
+    assert len(stopped.token_ids) < 24 and stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    stats = llm.get_stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    kept = llm.generate(prompt, SamplingParams(stop=stop, include_stop_str_in_output=True, **greedy))[0].outputs[0]
+    assert kept.text == cut + stop and kept.stop_reason == stop
+
+
+def test_empty_stop_string_is_refused():
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        SamplingParams(stop=["x", ""])
+
+
+def test_cache_salt_separates_prefix_cache_hits(llm):
+    prompt = [100 + i for i in range(40)]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def cached(**kwargs) -> int:
+        return llm.generate([prompt], params, **kwargs)[0].num_cached_tokens
+
+    assert cached(cache_salt="alice") == 0
+    # Two full blocks of 16; the last prompt token is always computed.
+    assert cached(cache_salt="alice") == 32
+    assert cached(cache_salt="bob") == 0
+    assert cached() == 0
+    assert cached() == 32
+    assert [o.num_cached_tokens for o in llm.generate([prompt, prompt], params, cache_salt=["bob", "carol"])] \
+        == [32, 0]
+    with pytest.raises(ValueError, match="cache_salt has 1 entries for 2 prompts"):
+        llm.generate([prompt, prompt], params, cache_salt=["alice"])

@@ -169,6 +169,25 @@ def test_stop_string_ends_the_text_before_it(http, offline):
     assert body["choices"][0]["text"] == cut + stop
 
 
+def test_a_text_ending_inside_a_character_is_the_same_offline_and_served(http, offline):
+    # Byte-level tokens: a completion can stop after the first bytes of a multi-byte character,
+    # where a one-shot decode ends in U+FFFD. Offline and served text share one OutputProcessor,
+    # which holds such bytes back, so both say the same and never take back what they said.
+    llm, _ = offline
+    prompt = PROMPTS[0]
+    greedy = dict(temperature=0, ignore_eos=True)
+    longer = llm.generate(prompt, SamplingParams(max_tokens=40, **greedy))[0].outputs[0]
+    ends = [k for k in range(1, 41) if llm.tokenizer.decode(longer.token_ids[:k]).endswith("\ufffd")]
+    assert ends, "the greedy tokens never end inside a character: the case is not exercised"
+    for max_tokens in ends[:3]:
+        offline_text = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, **greedy))[0].outputs[0].text
+        body = http.post("/v1/completions", json=_greedy(prompt=prompt, max_tokens=max_tokens)).json()
+        events = _stream(http, "/v1/completions", _greedy(prompt=prompt, max_tokens=max_tokens))
+        assert body["choices"][0]["text"] == offline_text
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == offline_text
+        assert longer.text.startswith(offline_text)
+
+
 def test_stop_token_ids_end_the_choice(http, offline):
     _, expected = offline
     token_ids = expected[PROMPTS[0]].outputs[0].token_ids
