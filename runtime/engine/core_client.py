@@ -116,7 +116,8 @@ class EngineCoreClient:
             self._send_encoded(RequestType.ADD, payload)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.errored:
+        # After shutdown (an iterator closed late) there is no engine left to tell.
+        if request_ids and not self.errored and not self._closed:
             self._send(RequestType.ABORT, AbortRequests(request_ids=request_ids))
 
     async def call_utility(self, method: Utility, *args: str):
@@ -176,16 +177,21 @@ class EngineCoreClient:
     def _read_outputs(self) -> None:
         """Output thread: decode off the loop, hand over on the loop; watch the engine's pulse."""
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        while not self._closed:
-            if not self._output.poll(LIVENESS_POLL_MS):
-                if not self._process.is_alive() and not self._closed:
-                    self._loop.call_soon_threadsafe(self._engine_died, self._last_words())
+        try:
+            while not self._closed:
+                if not self._output.poll(LIVENESS_POLL_MS):
+                    if not self._process.is_alive() and not self._closed:
+                        self._loop.call_soon_threadsafe(self._engine_died, self._last_words())
+                        return
+                    continue
+                message = decoder.decode(self._output.recv())
+                self._loop.call_soon_threadsafe(self._handle, message)
+                if message.engine_dead is not None:
                     return
-                continue
-            message = decoder.decode(self._output.recv())
-            self._loop.call_soon_threadsafe(self._handle, message)
-            if message.engine_dead is not None:
-                return
+        except RuntimeError:
+            # The loop was closed before shutdown(): nobody is left to hand anything to.
+            if not self._loop.is_closed():
+                raise
 
     def _last_words(self) -> str:
         """Why the engine died: its own report if it got one out, else its exit code."""

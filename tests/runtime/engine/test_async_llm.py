@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -223,3 +224,21 @@ def test_a_reused_request_id_never_receives_the_old_requests_tokens(engine, loop
         return counts
 
     assert loop.run_until_complete(scenario()) == [(2, 2)] * 10
+
+
+def test_outputs_after_the_loop_closed_are_dropped_quietly(tiny_llama_dir, monkeypatch):
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    engine = AsyncLLM(EngineArgs(model=str(tiny_llama_dir)).create_engine_config())
+    loop = asyncio.new_event_loop()
+    try:
+        # The stream is left open: the engine keeps generating for a loop that is gone.
+        stream = engine.generate(engine.encode(PROMPTS[0]), _greedy(max_tokens=2000), "orphan")
+        loop.run_until_complete(stream.__anext__())
+        loop.close()
+        thread = engine.engine_core._output_thread
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    finally:
+        engine.shutdown()
+    assert raised == []
