@@ -193,7 +193,7 @@ class OutputProcessor:
         if not output.new_token_ids and finish_reason is None:
             return False  # a prefill chunk: nothing to show yet
         choice.sink(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
-                                                   finish_reason, stop_reason))
+                                        finish_reason, stop_reason))
         if finish_reason is not None:
             del self.choices[choice.engine_id]
             self._record_finished(choice, finish_reason)
