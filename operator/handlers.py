@@ -3,7 +3,9 @@
 Handlers go to this module's own `registry`, which `kvpilot operator` runs; nothing is
 registered globally on import. No deletion handler, daemon or timer is registered: each of those
 would make kopf put a finalizer on every InferenceEngine, and deletion needs none, because every
-child carries an ownerReference and the garbage collector removes it.
+child carries an ownerReference and the garbage collector removes it. The control loop (autoscaling)
+is an operator-level task per engine, started and stopped by a plain event handler, for the same
+reason.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import kube, naming, reconcile
+from kvpilot.operator import control, kube, metrics, naming, reconcile
 
 registry = kopf.OperatorRegistry()
 
@@ -44,10 +46,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
     memo.reconciler = reconcile.Reconciler(kube.Kube(settings))
+    # Tests point the direct scrape at pages of their own, where pods have no reachable IP.
+    memo.control = control.ControlLoops(
+        memo.reconciler, pod_metrics_url=memo.get("pod_metrics_url", metrics.pod_metrics_url)
+    )
 
 
 @kopf.on.cleanup(registry=registry)
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    await memo.control.close()
     await memo.reconciler.client.close()
 
 
@@ -70,6 +77,11 @@ async def reconcile_engine(body: kopf.Body, memo: kopf.Memo, retry: int, **_: An
         raise kopf.TemporaryError(str(error), delay=retry_delay(retry)) from error
     if problems:
         raise kopf.TemporaryError("; ".join(problems), delay=retry_delay(retry))
+
+
+@kopf.on.event(*_ENGINES, registry=registry)
+async def follow_engine(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo.control.follow(body, deleted=type == "DELETED")
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_OWN_CHILDREN, registry=registry)

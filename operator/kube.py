@@ -18,6 +18,7 @@ from kvpilot.operator import naming
 
 # kind -> plural, for every kind the operator reads or writes.
 PLURALS = {
+    "Pod": "pods",
     "ConfigMap": "configmaps",
     "Secret": "secrets",
     "Service": "services",
@@ -91,6 +92,20 @@ class Kube:
             params={"fieldManager": naming.FIELD_MANAGER, "force": "true"},
             body=obj,
             content_type="application/apply-patch+yaml",
+        )
+
+    async def list(self, api_version: str, kind: str, namespace: str, *, selector: str) -> list[dict[str, Any]]:
+        """The objects of one kind in `namespace` that match a label selector."""
+        url = path(api_version, kind, namespace, "").rstrip("/")
+        return (await self._request("GET", url, params={"labelSelector": selector})).get("items", [])
+
+    async def scale(self, obj: Mapping[str, Any], replicas: int) -> dict[str, Any]:
+        """Write spec.replicas through the scale subresource, as `kubectl scale` does."""
+        return await self._request(
+            "PATCH",
+            f"{path_of(obj)}/scale",
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
         )
 
     async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
 import kopf
@@ -23,8 +23,9 @@ SERVICE_MONITORS = ("monitoring.coreos.com/v1", "servicemonitors")
 class Reconciler:
     def __init__(self, client: kube.Kube) -> None:
         self.client = client
-        # Status is written from two places (a reconcile pass and the Deployment follower);
-        # one lock per engine, with fresh reads inside it, keeps an older view from landing last.
+        # Status is written from three places (a reconcile pass, the Deployment follower and the
+        # control loop); one lock per engine, with fresh reads inside it, keeps an older view from
+        # landing last.
         self._status_locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = (
             collections.defaultdict(asyncio.Lock)
         )
@@ -59,13 +60,22 @@ class Reconciler:
             await self.reconcile(engine)
 
     async def refresh_status(self, namespace: str, name: str, *, failure: str | None = None) -> None:
+        async def derived(engine: Mapping[str, Any]) -> dict[str, Any]:
+            deployment = await self.client.get(kube.path("apps/v1", "Deployment", namespace, name))
+            return status.derive(engine, deployment, now=datetime.datetime.now(datetime.UTC), failure=failure)
+
+        await self.update_status(namespace, name, derived)
+
+    async def update_status(
+        self, namespace: str, name: str, change: Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
+    ) -> None:
+        """Write the status fields that `change` derives from a fresh read of the engine, if they
+        change anything; every status writer goes through here."""
         async with self._status_locks[namespace, name]:
             engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
             if engine is None or engine["metadata"].get("deletionTimestamp"):
                 return  # going away; garbage collection takes the children along
-            deployment = await self.client.get(kube.path("apps/v1", "Deployment", namespace, name))
-            now = datetime.datetime.now(datetime.UTC)
-            new = status.derive(engine, deployment, now=now, failure=failure)
+            new = await change(engine)
             if status.changed(engine, new):
                 await self.client.patch_status(engine, new)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator import naming, render
+from kvpilot.operator import autoscaler, naming, render
 from kvpilot.operator.serve_flags import initial_scheduling_policy
 
 READY = "Ready"
@@ -53,18 +53,18 @@ def derive(
         observed = rendered_generation(deployment)
         verdict = _judge_rollout(deployment, meta["generation"])
 
-    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = timestamp(now)
     conditions = list(current.get("conditions", []))
-    conditions = _set_condition(
+    conditions = set_condition(
         conditions, READY, verdict.phase == "Ready", verdict.reason, verdict.message, observed, stamp
     )
     if verdict.phase in ("Ready", "Degraded"):
-        conditions = _set_condition(
+        conditions = set_condition(
             conditions, PROGRESSING, False, "RolloutComplete",
             "every replica runs the current pod template", observed, stamp,
         )
     else:
-        conditions = _set_condition(
+        conditions = set_condition(
             conditions, PROGRESSING, verdict.phase == "Progressing", verdict.reason, verdict.message,
             observed, stamp,
         )
@@ -82,6 +82,39 @@ def derive(
     if observed is not None:
         status["observedGeneration"] = observed
     return status
+
+
+def autoscaling(
+    engine: Mapping[str, Any], decision: autoscaler.Decision, *, now: datetime.datetime, scaled: bool
+) -> dict[str, Any]:
+    """The status fields the autoscaler owns, after `decision` (spec.replicas is written through
+    the scale subresource, not here). The last good reading stays, with its time, while the
+    metrics are unavailable."""
+    current = engine.get("status") or {}
+    observed = engine["metadata"].get("generation")
+    conditions = list(current.get("conditions", []))
+    for condition in decision.conditions:
+        conditions = set_condition(conditions, condition.type, condition.status, condition.reason,
+                                   condition.message, observed, timestamp(now))
+    new: dict[str, Any] = {"desiredReplicas": decision.replicas, "conditions": conditions}
+    if decision.load is not None:
+        new["metrics"] = {
+            "kvCacheUsage": round(decision.load.kv_cache_usage, 4),
+            "queueDepth": round(decision.load.queue_depth, 2),
+            "observedAt": timestamp(datetime.datetime.fromtimestamp(decision.load.observed_at, datetime.UTC)),
+        }
+    if scaled:
+        new["lastScaleTime"] = timestamp(now)
+    return new
+
+
+def condition(engine: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    """The engine's condition of type `kind`, or an empty one."""
+    return next((c for c in (engine.get("status") or {}).get("conditions", []) if c.get("type") == kind), {})
+
+
+def timestamp(moment: datetime.datetime) -> str:
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def changed(engine: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
@@ -158,7 +191,7 @@ def _effective_policy(spec: Mapping[str, Any], current: Mapping[str, Any]) -> st
     return initial_scheduling_policy(policy)
 
 
-def _set_condition(
+def set_condition(
     conditions: list[dict[str, Any]],
     kind: str,
     true: bool,

@@ -1,0 +1,225 @@
+"""The control loop: every intervalSeconds, for each engine that some controller wants, list its
+pods, read the ready ones' metrics once, and hand that same reading to each controller.
+
+`CONTROLLERS` (built in `ControlLoops`) is the hook point: the autoscaler is one controller;
+another (the scheduling-policy tuner) plugs in beside it with the same `Controller` shape.
+
+One asyncio task per engine, started and stopped from the engines' watch events: no kopf daemon
+or timer, so no finalizer on the InferenceEngines (deletion still relies on ownerReferences
+alone). A failing interval is logged and the loop goes on; nothing the pods or Prometheus answer
+can end it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import aiohttp
+import kopf
+
+from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, samples, status
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What one interval read, shared by every controller of the engine."""
+
+    engine: Mapping[str, Any]  # read at the start of the interval
+    ready: Sequence[Mapping[str, Any]]  # the ready pods
+    starting: int  # pods that exist, are not terminating, and are not ready yet
+    reading: samples.Reading
+    now: float  # seconds since the epoch
+
+
+class Controller(Protocol):
+    def wants(self, spec: Mapping[str, Any]) -> bool:
+        """Whether the engine needs this controller's step every interval."""
+        ...
+
+    async def step(self, interval: Interval) -> None: ...
+
+    def forget(self, key: Key) -> None:
+        """Drop what is remembered about an engine whose loop ended."""
+        ...
+
+
+def pod_states(pods: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
+    """The ready pods, and the count of those still starting; terminating and finished pods are
+    neither (they are on their way out)."""
+    ready: list[Mapping[str, Any]] = []
+    starting = 0
+    for pod in pods:
+        pod_status = pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp") or pod_status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        conditions = pod_status.get("conditions") or []
+        if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            ready.append(pod)
+        else:
+            starting += 1
+    return ready, starting
+
+
+class ControlLoops:
+    def __init__(
+        self,
+        reconciler: reconcile.Reconciler,
+        *,
+        pod_metrics_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_metrics_url,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._reconciler = reconciler
+        self._client = reconciler.client
+        self._pod_metrics_url = pod_metrics_url
+        self._clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[Key, asyncio.Task[None]] = {}
+        self.controllers: list[Controller] = [Autoscaling(reconciler)]
+
+    def follow(self, engine: Mapping[str, Any], *, deleted: bool) -> None:
+        """Start or stop the engine's loop after a watch event. Called from a kopf handler, so
+        the task inherits the context in which kopf posts events."""
+        key = (engine["metadata"]["namespace"], engine["metadata"]["name"])
+        wanted = not deleted and self._wanted(engine)
+        task = self._tasks.get(key)
+        if wanted and (task is None or task.cancelling()):
+            self._tasks[key] = asyncio.create_task(self._run(key), name=f"control {key[0]}/{key[1]}")
+        elif not wanted and task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def tick(self, namespace: str, name: str) -> float | None:
+        """One interval for one engine. Returns the seconds until the next, or None when no
+        controller wants the engine any more."""
+        engine = await self._client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
+        if engine is None or engine["metadata"].get("deletionTimestamp") or not self._wanted(engine):
+            return None
+        spec = engine["spec"]
+        seconds = spec["autoscaling"]["intervalSeconds"]
+        pods = await self._client.list("v1", "Pod", namespace, selector=naming.selector_string(name))
+        ready, starting = pod_states(pods)
+        reading = await self._read(engine, ready, seconds)
+        interval = Interval(engine, ready, starting, reading, self._clock())
+        for controller in self.controllers:
+            if controller.wants(spec):
+                await controller.step(interval)
+        return seconds
+
+    def _wanted(self, engine: Mapping[str, Any]) -> bool:
+        return any(controller.wants(engine["spec"]) for controller in self.controllers)
+
+    async def _run(self, key: Key) -> None:
+        seconds: float | None = 1.0
+        try:
+            while seconds is not None:
+                started = asyncio.get_running_loop().time()
+                try:
+                    seconds = await self.tick(*key)
+                except kube.ApiError as error:
+                    logger.warning(f"InferenceEngine {key[0]}/{key[1]}: this interval failed: {error}")
+                except Exception:
+                    # A bug must not end the loop of this engine, or of any other.
+                    logger.exception(f"InferenceEngine {key[0]}/{key[1]}: this interval failed")
+                if seconds is not None:
+                    await asyncio.sleep(max(0.0, started + seconds - asyncio.get_running_loop().time()))
+        finally:
+            # A loop cancelled and restarted at once has a successor, which keeps its place.
+            if self._tasks.get(key) is asyncio.current_task():
+                del self._tasks[key]
+                for controller in self.controllers:
+                    controller.forget(key)
+
+    async def _read(self, engine: Mapping[str, Any], ready: Sequence[Mapping[str, Any]], seconds: float
+                    ) -> samples.Reading:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        namespace = engine["metadata"]["namespace"]
+        timeout = metrics.request_timeout(seconds)
+        prometheus = engine["spec"]["autoscaling"].get("prometheus")
+        source: metrics.MetricsSource
+        if prometheus is None:
+            source = metrics.DirectScrape(self._session, timeout=timeout, url_of=self._pod_metrics_url)
+        else:
+            token = await self._bearer_token(namespace, prometheus)
+            if isinstance(token, samples.Problem):
+                return samples.Reading(failure=token)
+            source = metrics.Prometheus(self._session, prometheus["url"], timeout=timeout, bearer_token=token)
+        return await source.read(namespace, ready, self._clock())
+
+    async def _bearer_token(self, namespace: str, prometheus: Mapping[str, Any]) -> str | samples.Problem | None:
+        ref = prometheus.get("bearerTokenSecretRef")
+        if ref is None:
+            return None
+        secret = await self._client.get(kube.path("v1", "Secret", namespace, ref["name"]))
+        encoded = (secret or {}).get("data", {}).get(ref["key"])
+        if encoded is None:
+            what = "does not exist" if secret is None else f"has no key {ref['key']}"
+            return samples.Problem(samples.UNREACHABLE, f"the Prometheus token's Secret {ref['name']} {what}")
+        try:
+            return base64.b64decode(encoded, validate=True).decode().strip()
+        except (binascii.Error, UnicodeDecodeError):
+            return samples.Problem(samples.UNREACHABLE, f"Secret {ref['name']} key {ref['key']} is not a token")
+
+
+class Autoscaling:
+    """The autoscaler's controller: decide, write spec.replicas through the scale subresource,
+    post an Event per change, and record the reading and the conditions in status."""
+
+    def __init__(self, reconciler: reconcile.Reconciler) -> None:
+        self._reconciler = reconciler
+        self._history: dict[Key, tuple[tuple[float, int], ...]] = {}
+
+    def wants(self, spec: Mapping[str, Any]) -> bool:
+        return bool(spec["autoscaling"]["enabled"])
+
+    def forget(self, key: Key) -> None:
+        self._history.pop(key, None)
+
+    async def step(self, interval: Interval) -> None:
+        engine = interval.engine
+        meta, spec = engine["metadata"], engine["spec"]
+        key = (meta["namespace"], meta["name"])
+        decision = autoscaler.decide(
+            autoscaler.Policy.from_spec(spec["autoscaling"]),
+            spec["replicas"],
+            [metrics.pod_name(pod) for pod in interval.ready],
+            interval.starting,
+            interval.reading,
+            self._history.get(key, ()),
+            interval.now,
+        )
+        self._history[key] = decision.history
+        about = cast(kopf.Body, engine)
+        available = decision.conditions[0]
+        if not available.status:
+            logger.warning(f"InferenceEngine {key[0]}/{key[1]}: {available.reason}: {available.message}")
+            if status.condition(engine, available.type).get("reason") != available.reason:
+                kopf.warn(about, reason=available.reason, message=available.message)
+        if decision.reason:
+            await self._reconciler.client.scale(engine, decision.replicas)
+            kopf.info(about, reason=decision.reason, message=decision.message)
+        now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)
+
+        async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
+            return status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
+
+        await self._reconciler.update_status(*key, recorded)

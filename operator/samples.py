@@ -1,0 +1,143 @@
+"""What the metrics sources read, and the pure half of reading it: PromQL in, per-pod samples out;
+a pod's /metrics page in, one sample out. No I/O here (metrics.py does that).
+
+A reading never raises on bad input: a value that is missing, not a number, NaN, negative, or a
+KV-cache share above 1 becomes a `Problem` with a reason, which the autoscaler turns into a
+condition instead of a scale decision.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+NUM_WAITING = "vllm:num_requests_waiting"
+NUM_RUNNING = "vllm:num_requests_running"
+METRICS = (KV_CACHE_USAGE, NUM_WAITING, NUM_RUNNING)
+
+# The reasons of MetricsAvailable=False.
+MISSING = "MetricsMissing"
+STALE = "MetricsStale"
+INVALID = "MetricsInvalid"
+UNREACHABLE = "PrometheusUnreachable"
+
+
+@dataclass(frozen=True)
+class PodSample:
+    pod: str
+    kv_cache_usage: float  # 0 to 1
+    num_waiting: float
+    num_running: float
+    observed_at: float  # seconds since the epoch: when the pod's gauges were last read
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str  # MISSING, INVALID or UNREACHABLE
+    message: str
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One interval's read of an engine's ready pods: a sample per pod that answered well, a
+    problem per pod that did not, or one failure for the whole read (Prometheus unreachable)."""
+
+    samples: Mapping[str, PodSample] = field(default_factory=dict)
+    problems: Mapping[str, Problem] = field(default_factory=dict)
+    failure: Problem | None = None
+
+
+def checked(pod: str, values: Mapping[str, float], observed_at: float) -> PodSample | Problem:
+    """A sample from the three gauges' values, or the problem with them."""
+    missing = [name for name in METRICS if name not in values]
+    if missing:
+        return Problem(MISSING, f"pod {pod} reports no {', '.join(missing)}")
+    for name in METRICS:
+        value = values[name]
+        if not math.isfinite(value) or value < 0 or (name == KV_CACHE_USAGE and value > 1):
+            return Problem(INVALID, f"pod {pod} reports {name} = {value}")
+    return PodSample(pod, values[KV_CACHE_USAGE], values[NUM_WAITING], values[NUM_RUNNING], observed_at)
+
+
+def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
+    """A pod's /metrics page (Prometheus text format) -> its sample. Series of one gauge (one per
+    model name) are summed."""
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in METRICS:
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    except (ValueError, TypeError, IndexError) as error:
+        return Problem(INVALID, f"pod {pod}: /metrics is not Prometheus text ({error})")
+    return checked(pod, values, observed_at)
+
+
+def label_matcher(name: str, value: str) -> str:
+    """`name="value"`, matching exactly that value."""
+    return f"{name}={_string_literal(value)}"
+
+
+def label_regex_matcher(name: str, values: Iterable[str]) -> str:
+    """`name=~"a|b"`, matching exactly the given values: each is regex-escaped, then the whole
+    pattern is escaped as a string literal."""
+    return f"{name}=~{_string_literal('|'.join(re.escape(value) for value in sorted(values)))}"
+
+
+def _string_literal(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def queries(namespace: str, pods: Iterable[str], window: str) -> dict[str, str]:
+    """The PromQL per metric, and for the time of each pod's last scrape, each answering one
+    series per pod. Pods are matched by the `namespace` and `pod` labels that a ServiceMonitor's
+    scrape gives its targets; `max by (pod)` folds a pod's series (one per model name) into one."""
+    selector = f"{label_matcher('namespace', namespace)},{label_regex_matcher('pod', pods)}"
+    found = {name: f"max by (pod) (avg_over_time({name}{{{selector}}}[{window}]))" for name in METRICS}
+    found["observed_at"] = f"max by (pod) (timestamp({KV_CACHE_USAGE}{{{selector}}}))"
+    return found
+
+
+def vector(answer: Any) -> dict[str, float]:
+    """An /api/v1/query answer -> {pod: value}; raises ValueError when it is not a successful
+    instant-vector answer whose series carry a pod label and a value."""
+    if not isinstance(answer, dict) or answer.get("status") != "success":
+        error = answer.get("error") if isinstance(answer, dict) else None
+        raise ValueError(f"the query failed: {error or 'not a Prometheus API answer'}")
+    data = answer.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
+        raise ValueError("the answer is not an instant vector")
+    found: dict[str, float] = {}
+    for series in data["result"]:
+        try:
+            pod = series["metric"]["pod"]
+            _, value = series["value"]
+            found[str(pod)] = float(value)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"a series without a pod label and a value: {series!r:.200}") from error
+    return found
+
+
+def from_vectors(pods: Iterable[str], vectors: Mapping[str, Mapping[str, float]]) -> Reading:
+    """The answers of `queries` (by the same keys) -> a sample or a problem per pod."""
+    samples: dict[str, PodSample] = {}
+    problems: dict[str, Problem] = {}
+    for pod in pods:
+        values = {name: vectors[name][pod] for name in METRICS if pod in vectors[name]}
+        observed_at = vectors["observed_at"].get(pod)
+        if observed_at is None or not math.isfinite(observed_at):
+            problems[pod] = Problem(MISSING, f"Prometheus has no {KV_CACHE_USAGE} of pod {pod}")
+            continue
+        result = checked(pod, values, observed_at)
+        if isinstance(result, Problem):
+            problems[pod] = result
+        else:
+            samples[pod] = result
+    return Reading(samples, problems)
