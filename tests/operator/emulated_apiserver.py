@@ -11,6 +11,9 @@ would do before storing the object:
   which is what apply means for a sole field manager;
 - the status subresource: a write to /status changes only status; a write to the main resource
   never changes status;
+- the scale subresource: a write to /scale changes only spec.replicas (every kind here keeps its
+  replicas there);
+- label selectors on lists (`labelSelector`, equality terms only);
 - generateName.
 
 Tests can also make the next matching write fail with `fail_next(...)`.
@@ -93,6 +96,9 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
 
         if request.subresource == "status":
             new = {**old, "status": new.get("status")}
+        elif request.subresource == "scale":
+            new = copy.deepcopy(old)
+            new["spec"]["replicas"] = request.data["spec"]["replicas"]
         elif self._has_status_subresource(request.resource):
             new = {key: value for key, value in new.items() if key != "status"}
             if "status" in old:
@@ -104,6 +110,17 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         if _content(new) != _content(old):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
         return self._replace(request, data=_merge_patch(old, new))
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        listing = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            wanted = dict(term.split("=", 1) for term in selector.split(","))
+            listing["items"] = [
+                item for item in listing["items"]
+                if wanted.items() <= (item.get("metadata", {}).get("labels") or {}).items()
+            ]
+        return listing
 
     def _has_status_subresource(self, resource: Any) -> bool:
         return resource in self.resources and "status" in self.resources[resource].subresources

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fake_metrics import fake_metrics
 from operator_harness import NAMESPACE, TEST_CLIENT, Cluster, child, cluster, created, eventually, operator, phase_is, run
 
 Right = tuple[str, str, str]
@@ -26,9 +27,11 @@ def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
 
 def recorded_calls(tmp_path: Path) -> set[Right]:
     """Every right the operator needs while it creates an engine's children (ServiceMonitor
-    included), follows a spec change and a rollout, and recreates a deleted Deployment."""
+    included), follows a spec change and a rollout, recreates a deleted Deployment, and
+    autoscales, reading the pods directly and then through Prometheus."""
     async def scenario() -> set[Right]:
-        async with cluster(tmp_path, service_monitors=True) as k, operator():
+        async with cluster(tmp_path, service_monitors=True) as k, fake_metrics() as fake, \
+                operator(pod_metrics_url=fake.pod_url):
             await created(k)
             await eventually(lambda: child(k, "ServiceMonitor"), "every child")
             await k.update_engine("qwen", lambda spec: spec.update(image="ghcr.io/kvpilot/kvpilot:0.2.0"))
@@ -37,6 +40,14 @@ def recorded_calls(tmp_path: Path) -> set[Right]:
             await eventually(lambda: phase_is(k, "Ready", 2), "Ready")
             await k.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/qwen")
             await eventually(lambda: k.deployment("qwen"), "the recreated Deployment")
+
+            await k.create_pod("qwen-a", "qwen", ready=True)
+            fake.set(["qwen-a"], kv=1.0)
+            await k.update_engine("qwen", lambda spec: spec.update(replicas=1, autoscaling={
+                "enabled": True, "maxReplicas": 2, "intervalSeconds": 1}))
+            await eventually(lambda: k.engine("qwen")["spec"]["replicas"] == 2, "a scale-up")
+            await k.update_engine("qwen", lambda spec: spec["autoscaling"].update(prometheus={"url": fake.url}))
+            await eventually(lambda: fake.queries, "a Prometheus query")
             return used(k)
 
     return run(scenario())

@@ -23,7 +23,7 @@ import yaml
 
 from crd_validation import errors, with_defaults
 from emulated_apiserver import EmulatedApiServer
-from kvpilot.operator import handlers
+from kvpilot.operator import handlers, naming
 
 T = TypeVar("T")
 NAMESPACE = "ml"
@@ -146,6 +146,25 @@ class Cluster:
             [{"op": "replace", "path": "/spec", "value": engine["spec"]}], "application/json-patch+json",
         )
 
+    async def create_pod(self, name: str, engine: str, *, ready: bool) -> None:
+        """A pod of the engine's Deployment, as its ReplicaSet and the kubelet would make it."""
+        await self._send("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": naming.selector_labels(engine)},
+            "status": _pod_status(ready),
+        })
+
+    async def set_ready(self, pod: str, ready: bool) -> None:
+        await self._send("PATCH", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/status",
+                         {"status": _pod_status(ready)}, "application/merge-patch+json")
+
+    async def scale(self, name: str, replicas: int) -> None:
+        """`kubectl scale ie NAME --replicas=N`, or an HPA's write: the scale subresource."""
+        await self._send(
+            "PATCH", f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceengines/{name}/scale",
+            {"spec": {"replicas": replicas}}, "application/merge-patch+json",
+        )
+
     async def create_secret(self, name: str, data: dict[str, str]) -> None:
         await self._send("POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NAMESPACE}, "data": data,
@@ -184,6 +203,11 @@ class Cluster:
             payload = await response.json()
             assert response.status < 400, payload
             return payload
+
+
+def _pod_status(ready: bool) -> dict[str, Any]:
+    return {"phase": "Running", "podIP": "10.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
 
 
 @contextlib.asynccontextmanager
@@ -244,7 +268,8 @@ class _ServerThread(threading.Thread):
 
 
 @contextlib.asynccontextmanager
-async def operator() -> AsyncIterator[None]:
+async def operator(**memo: Any) -> AsyncIterator[None]:
+    """`memo` reaches the operator's startup handler (e.g. pod_metrics_url, for fake pod pages)."""
     stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     settings = kopf.OperatorSettings()
@@ -258,7 +283,7 @@ async def operator() -> AsyncIterator[None]:
         namespaces=[NAMESPACE],
         stop_flag=stop,
         ready_flag=ready,
-        memo=kopf.Memo(),
+        memo=kopf.Memo(memo),
     ))
     try:
         await asyncio.wait_for(asyncio.shield(ready), WAIT_TIMEOUT)
@@ -277,6 +302,7 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
         CHILDREN["PodDisruptionBudget"]: ("PodDisruptionBudget", {"status"}),
         CHILDREN["Service"]: ("Service", {"status"}),
         CHILDREN["ConfigMap"]: ("ConfigMap", set()),
+        "v1/pods": ("Pod", {"status"}),
         CHILDREN["Secret"]: ("Secret", set()),
         "v1/events": ("Event", set()),
     }

@@ -1,0 +1,94 @@
+"""Test-driven metrics endpoints for the operator's control loop: each fake pod's /metrics page
+(rendered by the engine's own metrics code), and a fake Prometheus HTTP API answering
+/api/v1/query from the same readings. A test sets the readings, or breaks either endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from kvpilot.runtime.server.metrics import ServerMetrics
+
+
+@dataclass
+class Gauges:
+    kv: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    scraped_at: float | None = None  # what Prometheus reports as the last scrape; None: now
+
+
+@dataclass
+class FakeMetrics:
+    url: str = ""
+    pods: dict[str, Gauges] = field(default_factory=dict)
+    # A page that replaces a pod's rendered one (not Prometheus text, NaN, ...).
+    raw_pages: dict[str, str] = field(default_factory=dict)
+    down: bool = False  # every endpoint answers 503
+    authorizations: list[str] = field(default_factory=list)
+    queries: list[str] = field(default_factory=list)
+
+    def set(self, pods: Mapping[str, Any], **gauges: Any) -> None:
+        for pod in pods:
+            self.pods[pod] = Gauges(**gauges)
+
+    def pod_url(self, pod: Mapping[str, Any]) -> str:
+        return f"{self.url}/pods/{pod['metadata']['name']}/metrics"
+
+    async def _page(self, request: web.Request) -> web.Response:
+        pod = request.match_info["pod"]
+        if self.down:
+            return web.Response(status=503, text="unavailable")
+        if pod in self.raw_pages:
+            return web.Response(text=self.raw_pages[pod])
+        if pod not in self.pods:
+            return web.Response(status=404, text="no such pod")
+        gauges = self.pods[pod]
+        page = ServerMetrics("qwen", 16, 100)
+        page.kv_cache_usage.set(gauges.kv)
+        page.num_requests_waiting.set(gauges.waiting)
+        page.num_requests_running.set(gauges.running)
+        return web.Response(body=page.render(), content_type="text/plain")
+
+    async def _query(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization", ""))
+        if self.down:
+            return web.json_response({"status": "error", "errorType": "unavailable", "error": "down"}, status=503)
+        query = (await request.post())["query"]
+        self.queries.append(query)
+        asked = re.search(r'pod=~"([^"]*)"', query)
+        assert asked is not None, query
+        pods = [pod for pod in self.pods if re.escape(pod) in asked.group(1).replace("\\\\", "\\").split("|")]
+        if query.startswith("max by (pod) (timestamp("):
+            values = {pod: self.pods[pod].scraped_at or time.time() for pod in pods}
+        else:
+            name = re.search(r"avg_over_time\(([a-z_:]+)\{", query).group(1)
+            field_of = {"vllm:kv_cache_usage_perc": "kv", "vllm:num_requests_waiting": "waiting",
+                        "vllm:num_requests_running": "running"}[name]
+            values = {pod: getattr(self.pods[pod], field_of) for pod in pods}
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {"pod": pod}, "value": [time.time(), str(value)]} for pod, value in values.items()]}})
+
+
+@contextlib.asynccontextmanager
+async def fake_metrics() -> AsyncIterator[FakeMetrics]:
+    fake = FakeMetrics()
+    app = web.Application()
+    app.router.add_get("/pods/{pod}/metrics", fake._page)
+    app.router.add_post("/api/v1/query", fake._query)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    fake.url = f"http://127.0.0.1:{port}"
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()

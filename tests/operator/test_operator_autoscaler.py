@@ -1,0 +1,222 @@
+"""The pure autoscaler over timelines: (t, per-pod samples) in, replicas out."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvpilot.operator import autoscaler, samples
+
+POLICY = autoscaler.Policy(
+    min_replicas=1, max_replicas=10, target_kv_cache_usage=0.5, target_queue_depth=5,
+    interval_seconds=15, scale_up_stabilization_seconds=0, scale_down_stabilization_seconds=300,
+)
+
+
+def reading(t: float, *pods: tuple[float, float]) -> samples.Reading:
+    """A reading of pods p0, p1, ... with (kv, waiting) each, taken at `t`."""
+    return samples.Reading(samples={
+        f"p{i}": samples.PodSample(f"p{i}", kv, waiting, 0, t) for i, (kv, waiting) in enumerate(pods)
+    })
+
+
+def decide(replicas: int, pods: list[tuple[float, float]], *, t: float = 0.0, starting: int = 0,
+           history: tuple = (), policy: autoscaler.Policy = POLICY) -> autoscaler.Decision:
+    return autoscaler.decide(policy, replicas, [f"p{i}" for i in range(len(pods))], starting,
+                             reading(t, *pods), history, t)
+
+
+def replay(policy: autoscaler.Policy, timeline: list[tuple[float, list[tuple[float, float]]]], replicas: int
+           ) -> list[int]:
+    """The replicas after each step of a timeline whose pods are all ready."""
+    history: tuple = ()
+    counts = []
+    for t, pods in timeline:
+        decision = autoscaler.decide(policy, replicas, [f"p{i}" for i in range(len(pods))], 0,
+                                     reading(t, *pods), history, t)
+        replicas, history = decision.replicas, decision.history
+        counts.append(replicas)
+    return counts
+
+
+def spread(demand: float, replicas: int) -> list[tuple[float, float]]:
+    """`demand` replicas' worth of KV-cache at target, spread over `replicas` pods."""
+    return [(min(1.0, demand * POLICY.target_kv_cache_usage / replicas), 0.0)] * replicas
+
+
+def closed_loop(policy: autoscaler.Policy, demands: list[float], replicas: int) -> list[int]:
+    """Each interval's load spread over the replicas the previous decision left (pods ready at once)."""
+    history: tuple = ()
+    counts = []
+    for step, demand in enumerate(demands):
+        t = step * policy.interval_seconds
+        pods = spread(demand, replicas)
+        decision = autoscaler.decide(policy, replicas, [f"p{i}" for i in range(replicas)], 0,
+                                     reading(t, *pods), history, t)
+        replicas, history = decision.replicas, decision.history
+        counts.append(replicas)
+    return counts
+
+
+def changes(counts: list[int]) -> int:
+    return sum(1 for a, b in zip(counts, counts[1:]) if a != b)
+
+
+def test_saturation_is_the_larger_of_kv_and_queue_per_target() -> None:
+    # 0.95 / 0.5 = 1.9 on each of 2 pods: ceil(2 x 1.9) = 4.
+    up = decide(2, [(0.95, 0), (0.95, 0)])
+    assert (up.replicas, up.reason) == (4, autoscaler.SCALED_UP)
+    assert up.load == autoscaler.Load(kv_cache_usage=0.95, queue_depth=0, saturation=1.9, observed_at=0)
+    assert "2 -> 4 replicas" in up.message and "KV-cache usage 0.95 (target 0.5)" in up.message
+    # The queue dominates: 12 waiting / 5 = 2.4 > 0.1 / 0.5.
+    assert decide(1, [(0.1, 12)]).replicas == 3
+    # Mixed pods: mean of max(0.4, 0.4)=0.4 and max(1.2, 2.0)=2.0 is 1.2 -> ceil(2.4) = 3.
+    assert decide(2, [(0.2, 2), (0.6, 10)]).replicas == 3
+
+
+@pytest.mark.parametrize(("kv", "expected"), [
+    (0.5 * 1.09, 4), (0.5 * 0.91, 4),  # within 10 % of the target: hold
+    (0.5 * 1.15, 5), (0.5 * 0.85, 4),  # outside: up at once; down only after the window
+])
+def test_tolerance_band(kv: float, expected: int) -> None:
+    assert decide(4, [(kv, 0)] * 4).replicas == expected
+
+
+def test_scale_down_outside_the_band_after_the_window() -> None:
+    low = [(0.5 * 0.7, 0)] * 4  # saturation 0.7: ceil(2.8) = 3
+    counts = replay(POLICY, [(t, low) for t in range(0, 331, 15)], replicas=4)
+    # Every recommendation in the window was 3 from the start: down at once ...
+    assert counts[0] == 3
+
+
+def test_scale_down_waits_for_the_highest_recommendation_in_the_window() -> None:
+    high, low = [(0.5, 0)] * 4, [(0.05, 0)] * 4
+    timeline = [(0, high), *((t, low) for t in range(15, 600, 15))]
+    counts = replay(POLICY, timeline, replicas=4)
+    # The in-band recommendation at t=0 (4) holds until it leaves the 300 s window; then one step.
+    first_down = next(i for i, c in enumerate(counts) if c < 4)
+    assert timeline[first_down][0] == 315
+    assert counts[first_down] == 1
+    assert changes(counts) == 1
+
+
+def test_brief_dip_is_no_scale_down() -> None:
+    busy, idle = [(0.5, 0)] * 3, [(0.0, 0)] * 3
+    timeline = [(t, idle if 60 <= t < 120 else busy) for t in range(0, 400, 15)]
+    assert replay(POLICY, timeline, replicas=3) == [3] * len(timeline)
+
+
+def test_scale_up_is_at_most_doubling_or_plus_four() -> None:
+    assert decide(1, [(1.0, 100)]).replicas == 5  # +4 beats doubling
+    assert decide(8, [(1.0, 100)] * 8, policy=dataclasses.replace(POLICY, max_replicas=100)).replicas == 16
+
+
+def test_bounds_and_scaling_limited() -> None:
+    at_max = decide(10, [(1.0, 0)] * 10)
+    assert at_max.replicas == 10 and at_max.reason == ""
+    limited = {c.type: c for c in at_max.conditions}[autoscaler.SCALING_LIMITED]
+    assert (limited.status, limited.reason) == (True, "TooManyReplicas")
+    assert "asks for 20 replicas; maxReplicas is 10" in limited.message
+    near = decide(8, [(1.0, 0)] * 8)
+    assert near.replicas == 10  # 16 clamped
+    assert {c.type: c.status for c in near.conditions}[autoscaler.SCALING_LIMITED] is True
+    calm = decide(3, [(0.5, 0)] * 3)
+    assert {c.type: c.status for c in calm.conditions} == {
+        autoscaler.METRICS_AVAILABLE: True, autoscaler.SCALING_LIMITED: False}
+    # Idle goes down to minReplicas, never below; scale-down stabilization 0 for brevity.
+    policy = dataclasses.replace(POLICY, min_replicas=2, scale_down_stabilization_seconds=0)
+    assert decide(5, [(0.0, 0)] * 5, policy=policy).replicas == 2
+
+
+def test_starting_pods_count_as_capacity_on_its_way() -> None:
+    # 2 -> 4 for a burst; the 2 new pods start while the old ones still carry the burst.
+    first = decide(2, [(0.95, 0)] * 2)
+    assert first.replicas == 4
+    again = decide(4, [(0.95, 0)] * 2, starting=2, t=15, history=first.history)
+    assert again.replicas == 4 and again.reason == ""
+
+
+def test_scale_up_stabilization_takes_the_lowest_recommendation_of_its_window() -> None:
+    policy = dataclasses.replace(POLICY, scale_up_stabilization_seconds=30)
+    high = [(1.0, 0)] * 2  # asks for 4
+    counts = replay(policy, [(0, [(0.5, 0)] * 2), (15, high), (30, high), (45, high)], replicas=2)
+    assert counts == [2, 2, 2, 4]
+
+
+def reversals(counts: list[int]) -> int:
+    """How often the count turned from going up to going down, or back."""
+    moves = [b - a for a, b in zip(counts, counts[1:]) if a != b]
+    return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+
+
+def test_flapping_load_does_not_oscillate() -> None:
+    # Demand swings between 1 and 6 replicas' worth every interval, for half an hour. (One
+    # replica's KV cache holds at most twice its target, so the climb takes three doublings.)
+    demands = [6.0 if step % 2 else 1.0 for step in range(120)]
+    counts = closed_loop(POLICY, demands, replicas=1)
+    assert counts[:6] == [1, 2, 2, 4, 4, 6]
+    assert counts[6:] == [6] * 114, "no scale-down while the peaks keep coming"
+    # Swings of 5 minutes each way never outlast the scale-down window: it stays up.
+    demands = [6.0 if (step // 20) % 2 else 1.0 for step in range(120)]
+    counts = closed_loop(POLICY, demands, replicas=1)
+    assert counts[23:] == [6] * 97 and reversals(counts) == 0
+    # Swings of 10 minutes: down once per calm phase, one window after it began, and up again.
+    demands = [6.0 if (step // 40) % 2 else 1.0 for step in range(160)]
+    counts = closed_loop(POLICY, demands, replicas=1)
+    assert counts[80:120] == [6] * 20 + [1] * 20
+    assert reversals(counts) == 2 and changes(counts) == 7
+
+
+def test_load_that_grows_then_ends_settles_at_min() -> None:
+    demands = [1, 2, 4, 8, 8, 8] + [0] * 30
+    counts = closed_loop(POLICY, [float(d) for d in demands], replicas=1)
+    assert counts[5] == 8
+    assert counts[-1] == 1
+    assert counts == sorted(counts[:6]) + counts[6:]  # only up while the load grows
+
+
+@pytest.mark.parametrize(("read", "reason", "words"), [
+    (samples.Reading(failure=samples.Problem(samples.UNREACHABLE, "http://prom: refused")),
+     samples.UNREACHABLE, "refused"),
+    (samples.Reading(samples={"p0": samples.PodSample("p0", 0.9, 0, 0, 100.0)},
+                     problems={"p1": samples.Problem(samples.INVALID, "pod p1 reports x = nan")}),
+     samples.INVALID, "pod p1 reports x = nan"),
+    (samples.Reading(samples={"p0": samples.PodSample("p0", 0.9, 0, 0, 100.0)}),
+     samples.MISSING, "no sample of pod p1"),
+    (samples.Reading(samples={"p0": samples.PodSample("p0", 0.9, 0, 0, 100.0),
+                              "p1": samples.PodSample("p1", 0.9, 0, 0, 100.0 - 46)}),
+     samples.STALE, "pod p1's last sample is 46s old"),
+])
+def test_bad_metrics_hold_the_count_and_say_why(read: samples.Reading, reason: str, words: str) -> None:
+    history = ((90.0, 2),)
+    decision = autoscaler.decide(POLICY, 2, ["p0", "p1"], 0, read, history, 100.0)
+    assert (decision.replicas, decision.reason, decision.load, decision.history) == (2, "", None, history)
+    (available,) = decision.conditions
+    assert (available.type, available.status, available.reason) == (autoscaler.METRICS_AVAILABLE, False, reason)
+    assert words in available.message
+
+
+def test_stale_is_older_than_three_intervals() -> None:
+    fresh = samples.Reading(samples={"p0": samples.PodSample("p0", 0.5, 0, 0, 100.0 - 45)})
+    assert autoscaler.decide(POLICY, 1, ["p0"], 0, fresh, (), 100.0).conditions[0].status is True
+
+
+def test_no_ready_pod_is_missing_metrics() -> None:
+    decision = autoscaler.decide(POLICY, 2, [], 2, samples.Reading(), (), 0.0)
+    assert decision.replicas == 2
+    assert decision.conditions[0].reason == samples.MISSING
+    assert "no replica is ready to be read (2 starting)" in decision.conditions[0].message
+
+
+def test_many_bad_pods_are_named_up_to_five() -> None:
+    names = [f"p{i}" for i in range(8)]
+    decision = autoscaler.decide(POLICY, 8, names, 0, samples.Reading(), (), 0.0)
+    assert decision.conditions[0].message.endswith("no sample of pod p4; and 3 more")
+
+
+def test_samples_of_pods_that_are_not_ready_are_ignored() -> None:
+    read = reading(0, (0.5, 0), (1.0, 50))  # p1 is not ready: its reading does not count
+    decision = autoscaler.decide(POLICY, 2, ["p0"], 1, read, (), 0)
+    assert decision.replicas == 2 and math.isclose(decision.load.saturation, 1.0)

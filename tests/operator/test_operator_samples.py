@@ -1,0 +1,93 @@
+"""Reading metrics, the pure half: PromQL built in one place with escaped labels, Prometheus
+answers and pod pages parsed, and every kind of bad input a Problem, never an exception."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvpilot.operator import samples
+from kvpilot.runtime.server.metrics import ServerMetrics
+
+
+def engine_page(kv: float, waiting: int, running: int) -> str:
+    """What a kvpilot engine's /metrics serves (its own renderer)."""
+    page = ServerMetrics("tiny", 16, 100)
+    page.kv_cache_usage.set(kv)
+    page.num_requests_waiting.set(waiting)
+    page.num_requests_running.set(running)
+    return page.render().decode()
+
+
+def test_an_engine_page_is_one_sample() -> None:
+    assert samples.from_page("qwen-0", engine_page(0.25, 3, 7), 100.0) == samples.PodSample(
+        "qwen-0", 0.25, 3, 7, 100.0)
+
+
+@pytest.mark.parametrize(("page", "reason", "words"), [
+    ("<html><body>502 Bad Gateway</body></html>", samples.INVALID, "is not Prometheus text"),
+    ('vllm:kv_cache_usage_perc{model_name="a" 0.5\n', samples.INVALID, "is not Prometheus text"),
+    ("", samples.MISSING, "reports no vllm:kv_cache_usage_perc, vllm:num_requests_waiting"),
+    ("up 1\n", samples.MISSING, "reports no vllm:kv_cache_usage_perc"),
+    (engine_page(0.5, 0, 0).replace('kv_cache_usage_perc{model_name="tiny"} 0.5', 'kv_cache_usage_perc{model_name="tiny"} NaN'),
+     samples.INVALID, "vllm:kv_cache_usage_perc = nan"),
+    (engine_page(0.5, 0, 0).replace('waiting{model_name="tiny"} 0.0', 'waiting{model_name="tiny"} -3'),
+     samples.INVALID, "vllm:num_requests_waiting = -3.0"),
+    (engine_page(0.5, 0, 0).replace('kv_cache_usage_perc{model_name="tiny"} 0.5', 'kv_cache_usage_perc{model_name="tiny"} 1.5'),
+     samples.INVALID, "vllm:kv_cache_usage_perc = 1.5"),
+    (engine_page(0.5, 0, 0).replace('waiting{model_name="tiny"} 0.0', 'waiting{model_name="tiny"} +Inf'),
+     samples.INVALID, "vllm:num_requests_waiting = inf"),
+])
+def test_bad_pages_are_problems(page: str, reason: str, words: str) -> None:
+    problem = samples.from_page("qwen-0", page, 0.0)
+    assert isinstance(problem, samples.Problem), problem
+    assert problem.reason == reason and words in problem.message and "qwen-0" in problem.message
+
+
+def test_series_of_several_models_are_summed() -> None:
+    page = engine_page(0.25, 1, 2) + "\n".join([
+        'vllm:kv_cache_usage_perc{model_name="other"} 0.5',
+        'vllm:num_requests_waiting{model_name="other"} 4',
+    ]) + "\n"
+    sample = samples.from_page("p", page, 0.0)
+    assert isinstance(sample, samples.PodSample) and (sample.kv_cache_usage, sample.num_waiting) == (0.75, 5)
+
+
+def test_queries_select_the_pods_with_escaped_labels() -> None:
+    found = samples.queries('ml"x', ["qwen-7d9f.a", 'odd"\\pod'], "30s")
+    assert set(found) == {*samples.METRICS, "observed_at"}
+    selector = r'{namespace="ml\"x",pod=~"odd\"\\\\pod|qwen\\-7d9f\\.a"}'
+    assert found["vllm:kv_cache_usage_perc"] == f"max by (pod) (avg_over_time(vllm:kv_cache_usage_perc{selector}[30s]))"
+    assert found["observed_at"] == f"max by (pod) (timestamp(vllm:kv_cache_usage_perc{selector}))"
+
+
+def answer(*series: tuple[str, str]) -> dict:
+    return {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"pod": pod}, "value": [1700000000.0, value]} for pod, value in series]}}
+
+
+def test_query_answers_become_samples_per_pod() -> None:
+    vectors = {
+        "vllm:kv_cache_usage_perc": samples.vector(answer(("a", "0.5"), ("b", "NaN"))),
+        "vllm:num_requests_waiting": samples.vector(answer(("a", "2"), ("b", "0"))),
+        "vllm:num_requests_running": samples.vector(answer(("a", "1"), ("b", "0"))),
+        "observed_at": samples.vector(answer(("a", "1699999999.5"), ("b", "1699999999.5"))),
+    }
+    reading = samples.from_vectors(["a", "b", "c"], vectors)
+    assert reading.samples == {"a": samples.PodSample("a", 0.5, 2, 1, 1699999999.5)}
+    assert reading.problems["b"].reason == samples.INVALID and math.isnan(vectors["vllm:kv_cache_usage_perc"]["b"])
+    assert reading.problems["c"] == samples.Problem(
+        samples.MISSING, "Prometheus has no vllm:kv_cache_usage_perc of pod c")
+
+
+@pytest.mark.parametrize("bad", [
+    None, [], "ok", {"status": "error", "errorType": "bad_data", "error": "parse error"},
+    {"status": "success", "data": {"resultType": "matrix", "result": []}},
+    {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, "1"]}]}},
+    {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {"pod": "a"}, "value": "x"}]}},
+    {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {"pod": "a"}, "value": [0, "one"]}]}},
+])
+def test_malformed_answers_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError):
+        samples.vector(bad)
