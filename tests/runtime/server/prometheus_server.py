@@ -1,0 +1,131 @@
+"""A real Prometheus server for the tests: Debian's `prometheus` package, fetched once into
+.cache/ with `apt-get download` and unpacked with `dpkg-deb -x` (no root, nothing installed),
+run on 127.0.0.1 with a scrape configuration of the test's choosing. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+CACHE = REPO / ".cache" / "prometheus-deb"
+PACKAGE = "prometheus"
+FETCH_TIMEOUT = 300  # seconds for apt-get download (about 20 MB)
+STARTUP_TIMEOUT = 60
+
+
+def fetch_prometheus() -> Path:
+    """The prometheus binary, downloaded and unpacked on first use; later calls reuse the cache.
+    Raises, saying what is missing, where it cannot be had: the tests need it, so they fail."""
+    binary = CACHE / "usr" / "bin" / "prometheus"
+    if binary.is_file():
+        return binary
+    CACHE.parent.mkdir(exist_ok=True)
+    # Another test run may be fetching it at the same moment: one fetches, the other waits.
+    with open(CACHE.parent / f"{CACHE.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.is_file():
+            _download_into(CACHE)
+    return binary
+
+
+def _download_into(target: Path) -> None:
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} is needed to fetch Debian's {PACKAGE} package for the Prometheus tests")
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        # apt checks the file against the signed package lists.
+        done = subprocess.run(["apt-get", "download", PACKAGE], cwd=scratch, capture_output=True, text=True,
+                              timeout=FETCH_TIMEOUT)
+        debs = list(Path(scratch).glob(f"{PACKAGE}_*.deb"))
+        if done.returncode != 0 or len(debs) != 1:
+            raise RuntimeError(f"apt-get download {PACKAGE} failed (are the package lists there? "
+                               f"`apt-get update` fetches them):\n{done.stdout}\n{done.stderr}")
+        unpacked = Path(scratch) / "unpacked"
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, timeout=FETCH_TIMEOUT)
+        shutil.rmtree(target, ignore_errors=True)
+        # Renamed into place whole, so that an interrupted fetch never looks complete.
+        unpacked.rename(target)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A scrape target and the Kubernetes labels its ServiceMonitor scrape would give it."""
+
+    address: str  # host:port
+    namespace: str
+    pod: str
+    service: str
+
+
+def scrape_config(targets: list[Target], interval: str) -> dict:
+    """Static targets relabelled as the Prometheus Operator relabels a ServiceMonitor's
+    endpoints: the namespace, pod and service come from __meta_kubernetes_* labels."""
+    meta = {"namespace": "__meta_kubernetes_namespace", "pod": "__meta_kubernetes_pod_name",
+            "service": "__meta_kubernetes_service_name"}
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "scrape_configs": [{
+            "job_name": "kvpilot",
+            "scrape_interval": interval,
+            "scrape_timeout": interval,
+            "static_configs": [
+                {"targets": [t.address], "labels": {meta[label]: getattr(t, label) for label in meta}}
+                for t in targets
+            ],
+            "relabel_configs": [
+                {"source_labels": [source], "target_label": label} for label, source in meta.items()
+            ],
+        }],
+    }
+
+
+class PrometheusServer:
+    def __init__(self, binary: Path, workdir: Path, config: dict) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "prometheus.log"
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                [str(binary), f"--config.file={workdir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"prometheus exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        pytest.fail(f"prometheus was not ready within {STARTUP_TIMEOUT} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
