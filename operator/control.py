@@ -78,12 +78,10 @@ class ControlLoops:
         reconciler: reconcile.Reconciler,
         *,
         pod_metrics_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_metrics_url,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self._reconciler = reconciler
         self._client = reconciler.client
         self._pod_metrics_url = pod_metrics_url
-        self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self.controllers: list[Controller] = [Autoscaling(reconciler)]
@@ -118,7 +116,7 @@ class ControlLoops:
         pods = await self._client.list("v1", "Pod", namespace, selector=naming.selector_string(name))
         ready, starting = pod_states(pods)
         reading = await self._read(engine, ready, seconds)
-        interval = Interval(engine, ready, starting, reading, self._clock())
+        interval = Interval(engine, ready, starting, reading, time.time())
         for controller in self.controllers:
             if controller.wants(spec):
                 await controller.step(interval)
@@ -163,7 +161,7 @@ class ControlLoops:
             if isinstance(token, samples.Problem):
                 return samples.Reading(failure=token)
             source = metrics.Prometheus(self._session, prometheus["url"], timeout=timeout, bearer_token=token)
-        return await source.read(namespace, ready, self._clock())
+        return await source.read(namespace, ready, time.time())
 
     async def _bearer_token(self, namespace: str, prometheus: Mapping[str, Any]) -> str | samples.Problem | None:
         ref = prometheus.get("bearerTokenSecretRef")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -14,6 +15,8 @@ from typing import Any
 from aiohttp import web
 
 from kvpilot.runtime.server.metrics import ServerMetrics
+
+SLOW_SECONDS = 2.0
 
 
 @dataclass
@@ -31,6 +34,7 @@ class FakeMetrics:
     # A page that replaces a pod's rendered one (not Prometheus text, NaN, ...).
     raw_pages: dict[str, str] = field(default_factory=dict)
     down: bool = False  # every endpoint answers 503
+    slow: set[str] = field(default_factory=set)  # pods whose page answers only after SLOW_SECONDS
     authorizations: list[str] = field(default_factory=list)
     queries: list[str] = field(default_factory=list)
 
@@ -45,6 +49,8 @@ class FakeMetrics:
         pod = request.match_info["pod"]
         if self.down:
             return web.Response(status=503, text="unavailable")
+        if pod in self.slow:
+            await asyncio.sleep(SLOW_SECONDS)
         if pod in self.raw_pages:
             return web.Response(text=self.raw_pages[pod])
         if pod not in self.pods:

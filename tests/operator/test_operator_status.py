@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from inference_engines import engine
-from kvpilot.operator import status
+from kvpilot.operator import autoscaler, status
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 T1 = T0 + datetime.timedelta(minutes=5)
@@ -162,3 +162,36 @@ def test_auto_policy_reports_the_tuners_choice() -> None:
     assert status.derive(obj, deployment(), now=T0)["effectiveSchedulingPolicy"] == "fcfs"
     obj["status"] = {"effectiveSchedulingPolicy": "priority"}
     assert status.derive(obj, deployment(), now=T0)["effectiveSchedulingPolicy"] == "priority"
+
+
+def decision(replicas: int, *, available: bool = True, load: bool = True) -> autoscaler.Decision:
+    conditions = (
+        autoscaler.Condition("MetricsAvailable", True, "MetricsRead", "read 2 ready replicas"),
+        autoscaler.Condition("ScalingLimited", False, "DesiredWithinRange", "within"),
+    ) if available else (autoscaler.Condition("MetricsAvailable", False, "MetricsMissing", "no sample of pod p"),)
+    reading = autoscaler.Load(kv_cache_usage=0.123456, queue_depth=2.3333, saturation=1.2,
+                              observed_at=T0.timestamp() - 3) if load else None
+    return autoscaler.Decision(replicas, "", "", conditions, reading, ())
+
+
+def test_autoscaler_status_records_the_reading_the_decision_and_its_conditions() -> None:
+    found = status.autoscaling(engine(), decision(4), now=T0, scaled=True)
+    assert found["desiredReplicas"] == 4
+    assert found["metrics"] == {"kvCacheUsage": 0.1235, "queueDepth": 2.33, "observedAt": "2026-01-01T11:59:57Z"}
+    assert found["lastScaleTime"] == "2026-01-01T12:00:00Z"
+    assert condition(found, "MetricsAvailable") == {
+        "type": "MetricsAvailable", "status": "True", "reason": "MetricsRead", "message": "read 2 ready replicas",
+        "observedGeneration": 3, "lastTransitionTime": "2026-01-01T12:00:00Z",
+    }
+    assert condition(found, "ScalingLimited")["status"] == "False"
+
+    # Metrics lost later: the condition flips (a new transition time), ScalingLimited and the last
+    # reading stay as they were, and no scale time is written.
+    before = {**engine(), "status": found}
+    later = status.autoscaling(before, decision(4, available=False, load=False), now=T1, scaled=False)
+    assert "metrics" not in later and "lastScaleTime" not in later
+    assert condition(later, "MetricsAvailable")["lastTransitionTime"] == "2026-01-01T12:05:00Z"
+    assert condition(later, "ScalingLimited") == condition(found, "ScalingLimited")
+    still = status.autoscaling({**before, "status": later}, decision(4, available=False, load=False),
+                               now=T1 + (T1 - T0), scaled=False)
+    assert condition(still, "MetricsAvailable")["lastTransitionTime"] == "2026-01-01T12:05:00Z"
