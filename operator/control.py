@@ -1,8 +1,8 @@
 """The control loop: every intervalSeconds, for each engine that some controller wants, list its
 pods, read the ready ones' metrics once, and hand that same reading to each controller.
 
-`CONTROLLERS` (built in `ControlLoops`) is the hook point: the autoscaler is one controller;
-another (the scheduling-policy tuner) plugs in beside it with the same `Controller` shape.
+`ControlLoops.controllers` is the hook point: the autoscaler is one `Controller`; another (the
+scheduling-policy tuner) plugs in beside it, and gets the same pods and reading each interval.
 
 One asyncio task per engine, started and stopped from the engines' watch events: no kopf daemon
 or timer, so no finalizer on the InferenceEngines (deletion still relies on ownerReferences
@@ -126,7 +126,7 @@ class ControlLoops:
         return any(controller.wants(engine["spec"]) for controller in self.controllers)
 
     async def _run(self, key: Key) -> None:
-        seconds: float | None = 1.0
+        seconds: float | None = 1.0  # until a tick has read the engine's interval
         try:
             while seconds is not None:
                 started = asyncio.get_running_loop().time()
