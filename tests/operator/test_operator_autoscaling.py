@@ -94,16 +94,16 @@ def test_a_brief_dip_holds_and_sustained_low_load_scales_down_once(tmp_path: Pat
         async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):
             names = ["qwen-a", "qwen-b", "qwen-c"]
             await pods(k, fake, names, kv=0.5, waiting=4)  # at target: in the band
-            await created(k, spec_with(3))
+            await created(k, spec_with(3, scaleDownStabilizationSeconds=6))
             await eventually(lambda: metrics_condition(k).get("status") == "True", "a first reading")
             fake.set(names, kv=0.0)
-            await intervals(k, 2)  # shorter than the 4 s window
+            await intervals(k, 2)  # well inside the 6 s window
             fake.set(names, kv=0.5)
             await intervals(k, 4)
             assert replicas(k) == 3 and not k.events("ScaledDown")
 
             fake.set(names, kv=0.05)
-            await eventually(lambda: replicas(k) == 1, "one scale-down", timeout=15)
+            await eventually(lambda: replicas(k) == 1, "one scale-down", timeout=20)
             await intervals(k, 2)
             assert replicas(k) == 1 and len(k.events("ScaledDown")) == 1 and len(scale_writes(k)) == 1
             assert k.events("ScaledDown")[0]["message"].startswith("3 -> 1 replicas")
@@ -123,7 +123,7 @@ def test_bad_or_missing_pod_metrics_hold_the_count_and_say_why(tmp_path: Path) -
             await eventually(lambda: metrics_condition(k).get("reason") == "MetricsMissing", "MetricsMissing")
             assert "pod qwen-a: GET /metrics answered 503" in metrics_condition(k)["message"]
             assert metrics_condition(k)["status"] == "False"
-            (warning,) = k.events("MetricsMissing")
+            (warning,) = await eventually(lambda: k.events("MetricsMissing"), "a Warning event")
             assert warning["type"] == "Warning"
 
             fake.down = False
