@@ -51,6 +51,14 @@ def tenant_keys_secret_name(engine_name: str) -> str:
     return f"{engine_name}-tenant-keys"
 
 
+def admin_token_secret_name(engine_name: str) -> str:
+    return f"{engine_name}-admin-token"
+
+
+def scheduling_config_map_name(engine_name: str) -> str:
+    return f"{engine_name}-scheduling"
+
+
 def owner_name(child: Mapping[str, Any]) -> str | None:
     """The InferenceEngine that controls a child object, if any."""
     for ref in child.get("metadata", {}).get("ownerReferences", []):

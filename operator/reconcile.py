@@ -8,8 +8,10 @@ changed, so that `kubectl describe ie` tells the story.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import datetime
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
@@ -34,8 +36,9 @@ class Reconciler:
         """Apply the engine's children and refresh its status. Returns the problems that a retry
         may fix (a tenant's key Secret that is missing); raises kube.ApiError when a call fails."""
         keys, problems = await self.tenant_keys(engine)
+        admin_token = await self.admin_token(engine)
         monitor = await self.client.serves(*SERVICE_MONITORS)
-        for child in render.children(engine, tenant_keys=keys, service_monitor=monitor):
+        for child in render.children(engine, tenant_keys=keys, admin_token=admin_token, service_monitor=monitor):
             await self._apply(engine, child)
         await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"])
         for problem in problems:
@@ -100,6 +103,18 @@ class Reconciler:
             else:
                 keys[tenant["name"]] = secret["data"][ref["key"]]
         return keys, problems
+
+    async def admin_token(self, engine: Mapping[str, Any]) -> str:
+        """The engine's admin token, base64 as in its Secret: the one stored, or a new random one
+        where none is (the pods re-read the token file, so even a lost race is no outage)."""
+        stored = await self.stored_admin_token(engine)
+        return stored or base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+
+    async def stored_admin_token(self, engine: Mapping[str, Any]) -> str | None:
+        meta = engine["metadata"]
+        secret = await self.client.get(
+            kube.path("v1", "Secret", meta["namespace"], naming.admin_token_secret_name(meta["name"])))
+        return (secret or {}).get("data", {}).get(render.ADMIN_TOKEN_KEY) or None
 
     async def _apply(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
         before = await self.client.get(kube.path_of(child))

@@ -23,6 +23,10 @@ MODEL_DIR = "/var/lib/kvpilot/model"
 CONFIG_DIR = "/etc/kvpilot"
 TENANTS_FILE = f"{CONFIG_DIR}/tenants.yaml"
 TENANT_KEYS_DIR = "/var/run/kvpilot/tenant-keys"
+ADMIN_TOKEN_DIR = "/var/run/kvpilot/admin"
+ADMIN_TOKEN_KEY = "token"
+SCHEDULING_DIR = "/var/run/kvpilot/scheduling"
+SCHEDULING_POLICY_KEY = "policy"
 CACHE_DIR = "/var/cache/kvpilot"
 _DOWNLOAD_SUBDIR = "model"  # inside CACHE_DIR, for models from the Hugging Face Hub
 RUN_AS_ID = 1000  # the runtime image's user (see the Dockerfile)
@@ -34,17 +38,20 @@ PRESTOP_SLEEP_SECONDS = 5
 EXIT_MARGIN_SECONDS = 10
 
 def children(
-    engine: Mapping[str, Any], *, tenant_keys: Mapping[str, str], service_monitor: bool
+    engine: Mapping[str, Any], *, tenant_keys: Mapping[str, str], admin_token: str, service_monitor: bool
 ) -> list[Manifest]:
     """Every object the engine needs, in a safe order: keys before the tenants file that names
     them, and both before the pods that mount them.
 
     `tenant_keys` maps a tenant name to its API key, base64-encoded as found in the data of the
-    Secret that its apiKeySecretRef names; tenants missing from it get no key file.
+    Secret that its apiKeySecretRef names; tenants missing from it get no key file. `admin_token`
+    is the engine's admin token, base64-encoded: the reconciler makes it once and then keeps it.
     """
     objects = [
         tenant_keys_secret(engine, tenant_keys),
+        admin_token_secret(engine, admin_token),
         config_map(engine, tenant_keys),
+        scheduling_config_map(engine, effective_scheduling_policy(engine)),
         service(engine),
         deployment(engine),
         pod_disruption_budget(engine),
@@ -63,8 +70,28 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
         "--port", str(CONTAINER_PORT),
         *spec_args(spec),
         "--tenants-file", TENANTS_FILE,
+        "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
+        *_start_policy_file(spec),
         *spec["engine"].get("extraArgs", []),
     ]
+
+
+def _start_policy_file(spec: Mapping[str, Any]) -> list[str]:
+    # Under `auto` the policy tuner keeps this file current, and it overrides --scheduling-policy:
+    # a restarting pod starts with the effective policy, while the pod template stays as it is.
+    if spec["scheduling"]["policy"] != "auto":
+        return []
+    return ["--scheduling-policy-file", f"{SCHEDULING_DIR}/{SCHEDULING_POLICY_KEY}"]
+
+
+def effective_scheduling_policy(engine: Mapping[str, Any]) -> str:
+    """The policy the engine's pods run: a pinned one, or under `auto` the one the policy tuner
+    recorded in status (`fcfs` until it first decides)."""
+    policy = engine["spec"]["scheduling"]["policy"]
+    if policy != "auto":
+        return policy
+    recorded = (engine.get("status") or {}).get("effectiveSchedulingPolicy")
+    return recorded if recorded in ("fcfs", "priority") else "fcfs"
 
 
 def tenants(spec: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -114,6 +141,28 @@ def tenant_keys_secret(engine: Mapping[str, Any], tenant_keys: Mapping[str, str]
         "metadata": _metadata(engine, naming.tenant_keys_secret_name(engine["metadata"]["name"])),
         "type": "Opaque",
         "data": dict(sorted(tenant_keys.items())),
+    }
+
+
+def admin_token_secret(engine: Mapping[str, Any], token: str) -> Manifest:
+    # Guards the pods' /admin/scheduling, which the policy tuner calls.
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(engine, naming.admin_token_secret_name(engine["metadata"]["name"])),
+        "type": "Opaque",
+        "data": {ADMIN_TOKEN_KEY: token},
+    }
+
+
+def scheduling_config_map(engine: Mapping[str, Any], policy: str) -> Manifest:
+    """The policy a starting pod reads (--scheduling-policy-file). Its own object, apart from the
+    engine's config, because the policy tuner rewrites it live."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(engine, naming.scheduling_config_map_name(engine["metadata"]["name"])),
+        "data": {SCHEDULING_POLICY_KEY: policy},
     }
 
 
@@ -306,6 +355,8 @@ def _engine_container(engine: Mapping[str, Any], source: _ModelSource) -> Manife
             *source.mounts,
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tenant-keys", "mountPath": TENANT_KEYS_DIR, "readOnly": True},
+            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+            {"name": "scheduling", "mountPath": SCHEDULING_DIR, "readOnly": True},
             {"name": "cache", "mountPath": CACHE_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
             # Tensor-parallel workers exchange tensors through shared memory; a container's
@@ -350,6 +401,9 @@ def _volumes(engine_name: str, source: _ModelSource) -> list[Manifest]:
         # 0440 with fsGroup: readable by the engine's group, by nobody else.
         {"name": "tenant-keys", "secret": {"secretName": naming.tenant_keys_secret_name(engine_name),
                                            "defaultMode": 0o440}},
+        {"name": "admin-token", "secret": {"secretName": naming.admin_token_secret_name(engine_name),
+                                           "defaultMode": 0o440}},
+        {"name": "scheduling", "configMap": {"name": naming.scheduling_config_map_name(engine_name)}},
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},

@@ -15,7 +15,8 @@ from typing import Any
 
 
 def initial_scheduling_policy(policy: str) -> str:
-    # `auto` starts calm; the policy tuner switches live engines to `priority` under pressure.
+    # `auto` starts calm, unless the policy tuner's file (--scheduling-policy-file, which overrides
+    # this flag) says otherwise.
     return "fcfs" if policy == "auto" else policy
 
 
@@ -63,6 +64,7 @@ RESERVED_FLAGS: dict[str, str] = {
     "--port": "the container port, which the Service and the probes use",
     "--tenants-file": "rendered from scheduling.tenants into the ConfigMap",
     "--admin-token-file": "the operator's own token, for the policy tuner",
+    "--scheduling-policy-file": "under `auto`, the policy tuner's ConfigMap, which a starting pod reads its policy from",
     "--api-key": "a key in the pod's arguments would be readable by anyone who can read the Deployment; "
                  "use scheduling.tenants with apiKeySecretRef",
     "--model": "vLLM's spelling of the model argument; the operator passes the mounted model folder itself",

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import autoscaler, naming, render
-from kvpilot.operator.serve_flags import initial_scheduling_policy
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -76,7 +75,7 @@ def derive(
         "readyReplicas": rollout.get("readyReplicas", 0),
         "selector": naming.selector_string(meta["name"]),
         "endpoint": render.endpoint(engine),
-        "effectiveSchedulingPolicy": _effective_policy(spec, current),
+        "effectiveSchedulingPolicy": render.effective_scheduling_policy(engine),
         "conditions": conditions,
     }
     if observed is not None:
@@ -181,14 +180,6 @@ def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[s
         if condition.get("type") == kind:
             return condition
     return {}
-
-
-def _effective_policy(spec: Mapping[str, Any], current: Mapping[str, Any]) -> str:
-    # Under `auto` the policy tuner owns the live policy; the pods start with the initial one.
-    policy = spec["scheduling"]["policy"]
-    if policy == "auto":
-        return current.get("effectiveSchedulingPolicy", initial_scheduling_policy(policy))
-    return initial_scheduling_policy(policy)
 
 
 def set_condition(

@@ -12,7 +12,7 @@ from pathlib import Path
 # Stdlib only: the engine's settings for `serve`, without torch.
 from kvpilot.runtime.argtypes import non_negative_float, positive_int
 from kvpilot.runtime.benchmarks.cli import add_bench
-from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting
+from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting, SchedulingPolicy
 
 # A handler gets the parsed args and its own subparser, so usage errors it finds late
 # (after parsing) still exit 2 with that subcommand's usage line.
@@ -175,6 +175,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                       help="let the X-Kvpilot-Tenant header name the tenant (behind a trusted gateway only)")
     http.add_argument("--admin-token-file", metavar="PATH", type=Path,
                       help="file holding the Bearer token for /admin/* (without it /admin/* is 404)")
+    http.add_argument("--scheduling-policy-file", metavar="PATH", type=Path,
+                      help="file naming the initial scheduling policy, read at start; overrides --scheduling-policy "
+                           "(the operator keeps one current, so that a restarting pod starts with the policy its "
+                           "engine runs now)")
     http.add_argument("--shutdown-timeout", metavar="SECONDS", type=non_negative_float, default=30.0,
                       help="on SIGTERM, how long requests in flight may run before they are aborted")
 
@@ -217,6 +221,13 @@ def _checked(engine_setting: EngineSetting) -> Callable[[str], object]:
     return parse
 
 
+def _policy_from_file(path: Path, parser: argparse.ArgumentParser) -> str:
+    try:
+        return SchedulingPolicy.parse(path.read_text().strip()).value
+    except (OSError, ValueError) as err:
+        parser.error(f"argument --scheduling-policy-file: {path}: {err}")
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.trust_tenant_header and args.tenants_file is None:
         parser.error("argument --trust-tenant-header: needs --tenants-file (the header names a tenant from it)")
@@ -239,6 +250,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             admin_token = AdminToken(args.admin_token_file)
         except (OSError, ValueError) as err:
             parser.error(f"argument --admin-token-file: {err}")
+    if args.scheduling_policy_file is not None:
+        args.scheduling_policy = _policy_from_file(args.scheduling_policy_file, parser)
     if args.model_dir is None:
         model_dir, default_name = str(ensure_demo_model()), DEMO_MODEL_NAME
     else:

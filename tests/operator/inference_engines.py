@@ -56,6 +56,7 @@ def b64(text: str) -> str:
 
 
 TENANT_KEYS = {"prod": b64(PROD_KEY), "batch": b64(BATCH_KEY)}
+ADMIN_TOKEN = b64("admin-token-0123456789")
 
 
 def engine(spec: dict[str, Any] | None = None, *, name: str = "llama", namespace: str = "ml",

@@ -12,7 +12,7 @@ import contextlib
 import copy
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,8 +49,11 @@ CHILDREN = {
     "Secret": "v1/secrets",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
     "ServiceMonitor": "monitoring.coreos.com/v1/servicemonitors",
+    "AdminToken": "v1/secrets",
+    "SchedulingConfig": "v1/configmaps",
 }
-CHILD_NAMES = {"ConfigMap": "qwen-config", "Secret": "qwen-tenant-keys"}
+CHILD_NAMES = {"ConfigMap": "qwen-config", "Secret": "qwen-tenant-keys", "AdminToken": "qwen-admin-token",
+               "SchedulingConfig": "qwen-scheduling"}
 
 
 def key(text: str) -> str:
@@ -267,6 +270,30 @@ class _ServerThread(threading.Thread):
             await self._stopping.wait()
 
 
+@contextlib.contextmanager
+def posted_events() -> Iterator[list[Any]]:
+    """kopf's event posting, as an operator sets it up, for operator code that a test calls
+    directly: each Event that code posts is appended to the list this yields."""
+    from kopf._core.engines import posting  # kopf keeps the posting queue in context variables
+
+    events: list[Any] = []
+
+    class _Queue:
+        def put_nowait(self, event: Any) -> None:
+            events.append(event)
+
+    tokens = [
+        (posting.settings_var, posting.settings_var.set(kopf.OperatorSettings())),
+        (posting.event_queue_var, posting.event_queue_var.set(_Queue())),  # type: ignore[arg-type]
+        (posting.event_queue_loop_var, posting.event_queue_loop_var.set(asyncio.get_running_loop())),
+    ]
+    try:
+        yield events
+    finally:
+        for variable, token in reversed(tokens):
+            variable.reset(token)
+
+
 @contextlib.asynccontextmanager
 async def operator(**memo: Any) -> AsyncIterator[None]:
     """`memo` reaches the operator's startup handler (e.g. pod_metrics_url, for fake pod pages)."""
@@ -302,8 +329,8 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
         CHILDREN["PodDisruptionBudget"]: ("PodDisruptionBudget", {"status"}),
         CHILDREN["Service"]: ("Service", {"status"}),
         CHILDREN["ConfigMap"]: ("ConfigMap", set()),
-        "v1/pods": ("Pod", {"status"}),
         CHILDREN["Secret"]: ("Secret", set()),
+        "v1/pods": ("Pod", {"status"}),
         "v1/events": ("Event", set()),
     }
     if service_monitors:

@@ -95,7 +95,7 @@ def test_design_defaults() -> None:
     spec = with_defaults({"spec": {}})["spec"]
     assert spec["replicas"] == 1
     assert spec["parallelism"] == {"tensor": 1}
-    assert spec["scheduling"] == {"policy": "fcfs"}
+    assert spec["scheduling"] == {"policy": "fcfs", "calmWindowSeconds": 300}
     assert spec["service"] == {"type": "ClusterIP", "port": 8000}
     assert spec["autoscaling"] == {
         "enabled": False, "minReplicas": 1, "targetKVCacheUsage": 0.8, "targetQueueDepth": 5,
@@ -226,7 +226,7 @@ def test_extra_args_rule_forbids_exactly_the_rendered_flags() -> None:
         },
     })
     rendered = {arg for arg in render.serve_args(engine) if arg.startswith("--")}
-    owned = {"--no-enable-prefix-caching", "--admin-token-file", "--api-key", "--model"}
+    owned = {"--no-enable-prefix-caching", "--scheduling-policy-file", "--api-key", "--model"}  # auto renders the file flag
     assert all(re.fullmatch(pattern, flag) for flag in rendered | owned)
     for unowned in ("--seed", "--dtype", "--enable-chunked-prefill", "--portable"):
         assert not re.fullmatch(pattern, unowned), unowned

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_engines import BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
+from inference_engines import ADMIN_TOKEN, BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
 from kvpilot.operator import render
 from kvpilot.runtime import cli
 
@@ -36,19 +36,27 @@ def test_the_engine_accepts_the_rendered_flags(monkeypatch: pytest.MonkeyPatch) 
     assert parsed.gpu_memory_utilization == FULL_SPEC["engine"]["gpuMemoryUtilization"]
 
 
+def test_the_engine_accepts_the_flags_of_an_auto_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = {**FULL_SPEC, "scheduling": {**FULL_SPEC["scheduling"], "policy": "auto"}}
+    parsed = parsed_serve_args(monkeypatch, render.serve_args(engine(spec)))
+    assert parsed.scheduling_policy_file == Path("/var/run/kvpilot/scheduling/policy")
+    assert parsed.admin_token_file == Path("/var/run/kvpilot/admin/token")
+
+
 def test_the_engine_accepts_the_examples_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     parsed_serve_args(monkeypatch, render.serve_args(example()))
 
 
 def test_the_engine_reads_the_rendered_tenants_file(tmp_path: Path) -> None:
     tenants = pytest.importorskip("kvpilot.runtime.server.tenants")
-    rendered = {c["kind"]: c for c in render.children(engine(), tenant_keys=TENANT_KEYS, service_monitor=False)}
+    rendered = {c["metadata"]["name"]: c for c in render.children(
+        engine(), tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, service_monitor=False)}
     # Lay out the two volumes as the kubelet would, under tmp_path instead of /.
     keys_dir = tmp_path / render.TENANT_KEYS_DIR.lstrip("/")
     keys_dir.mkdir(parents=True)
-    for name, value in rendered["Secret"]["data"].items():
+    for name, value in rendered["llama-tenant-keys"]["data"].items():
         (keys_dir / name).write_bytes(base64.b64decode(value))
-    text = rendered["ConfigMap"]["data"]["tenants.yaml"].replace(render.TENANT_KEYS_DIR, str(keys_dir))
+    text = rendered["llama-config"]["data"]["tenants.yaml"].replace(render.TENANT_KEYS_DIR, str(keys_dir))
     path = tmp_path / "tenants.yaml"
 
     config = tenants.parse_tenants(text, path)

@@ -36,7 +36,8 @@ def test_create_renders_every_child_with_an_owner_reference(tmp_path: Path) -> N
             assert tenants_file(k)[0]["apiKeyFiles"] == ["/var/run/kvpilot/tenant-keys/prod"]
             await eventually(lambda: len(k.events("Created")) == len(CHILDREN), "a Created event per child")
             messages = sorted(e["message"] for e in k.events("Created"))
-            assert messages == sorted(f"Created {kind} {CHILD_NAMES.get(kind, 'qwen')}" for kind in CHILDREN)
+            assert messages == sorted(f"Created {child(k, role)['kind']} {CHILD_NAMES.get(role, 'qwen')}"
+                                      for role in CHILDREN)
             assert all(e["involvedObject"]["name"] == "qwen" for e in k.events("Created"))
             status = await eventually(lambda: k.engine("qwen").get("status"), "a status")
             assert status["phase"] == "Pending"

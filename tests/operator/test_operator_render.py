@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inference_engines import BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
+from inference_engines import ADMIN_TOKEN, BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
 from kvpilot.operator import naming, render
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -32,8 +32,15 @@ _GoldenDumper.add_representer(
 
 
 def children(obj: dict[str, Any], *, keys: dict[str, str] | None = None, monitor: bool = False) -> dict[str, Any]:
-    rendered = render.children(obj, tenant_keys=TENANT_KEYS if keys is None else keys, service_monitor=monitor)
-    return {child["kind"]: child for child in rendered}
+    """The rendered objects by name, and by kind for the first of each kind (for the two Secrets
+    and the two ConfigMaps, the kind names the tenant keys and the engine config)."""
+    rendered = render.children(obj, tenant_keys=TENANT_KEYS if keys is None else keys, admin_token=ADMIN_TOKEN,
+                               service_monitor=monitor)
+    found: dict[str, Any] = {}
+    for child in rendered:
+        found.setdefault(child["kind"], child)
+        found[child["metadata"]["name"]] = child
+    return found
 
 
 def template_hash(obj: dict[str, Any]) -> str:
@@ -52,18 +59,23 @@ def with_spec(**changes: Any) -> dict[str, Any]:
     return engine(spec)
 
 
-@pytest.mark.parametrize("kind", ["Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret"])
+@pytest.mark.parametrize("kind", ["Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret",
+                                  "llama-admin-token", "llama-scheduling"])
 def test_golden(kind: str) -> None:
     rendered = children(engine())[kind]
-    golden = GOLDEN / f"full-{kind.lower()}.yaml"
+    golden = GOLDEN / f"full-{kind.removeprefix('llama-').lower()}.yaml"
     if UPDATE_GOLDEN:
         golden.write_text(yaml.dump(rendered, Dumper=_GoldenDumper, sort_keys=False))
     assert rendered == yaml.safe_load(golden.read_text())
 
 
 def test_children_in_creation_order() -> None:
-    kinds = [c["kind"] for c in render.children(engine(), tenant_keys={}, service_monitor=True)]
-    assert kinds == ["Secret", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "ServiceMonitor"]
+    rendered = render.children(engine(), tenant_keys={}, admin_token=ADMIN_TOKEN, service_monitor=True)
+    assert [(c["kind"], c["metadata"]["name"]) for c in rendered] == [
+        ("Secret", "llama-tenant-keys"), ("Secret", "llama-admin-token"), ("ConfigMap", "llama-config"),
+        ("ConfigMap", "llama-scheduling"), ("Service", "llama"), ("Deployment", "llama"),
+        ("PodDisruptionBudget", "llama"), ("ServiceMonitor", "llama"),
+    ]
 
 
 def test_service_monitor_only_where_its_api_exists() -> None:
@@ -74,7 +86,7 @@ def test_service_monitor_only_where_its_api_exists() -> None:
 
 
 def test_every_child_is_owned_and_labelled() -> None:
-    for child in render.children(engine(), tenant_keys=TENANT_KEYS, service_monitor=True):
+    for child in render.children(engine(), tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, service_monitor=True):
         meta = child["metadata"]
         assert meta["namespace"] == "ml"
         assert meta["ownerReferences"] == [{
@@ -92,7 +104,7 @@ def test_every_child_is_owned_and_labelled() -> None:
 
 def test_rendered_children_are_valid_kubernetes_objects() -> None:
     for obj in (engine(), example(), engine({"model": {"name": "m", "hostPath": "/models/m"}, "image": "i"})):
-        for child in render.children(obj, tenant_keys=TENANT_KEYS, service_monitor=False):
+        for child in render.children(obj, tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, service_monitor=False):
             kubernetes_validate.validate(child, "1.30", strict=True)
 
 
@@ -210,13 +222,9 @@ def test_serve_flags_follow_the_engine_spec() -> None:
         "--scheduling-policy", "priority",
         "--shutdown-timeout", "30",
         "--tenants-file", "/etc/kvpilot/tenants.yaml",
+        "--admin-token-file", "/var/run/kvpilot/admin/token",
         "--seed", "7",
     ]
-
-
-def test_auto_policy_starts_with_fcfs() -> None:
-    args = render.serve_args(with_spec(scheduling={"policy": "auto"}))
-    assert args[args.index("--scheduling-policy") + 1] == "fcfs"
 
 
 def test_hugging_face_source() -> None:
@@ -289,3 +297,57 @@ def test_service_port_and_pdb() -> None:
     ]
     assert rendered["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
     assert render.endpoint(engine()) == "http://llama.ml.svc:80"
+
+
+AUTO = {"scheduling__policy": "auto"}
+
+
+def test_admin_token_secret_is_mounted_and_passed_to_the_engine() -> None:
+    rendered = children(with_spec(**AUTO))
+    assert rendered["llama-admin-token"]["data"] == {"token": ADMIN_TOKEN}
+    pod = rendered["Deployment"]["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "admin-token")
+    assert volume == {"name": "admin-token", "secret": {"secretName": "llama-admin-token", "defaultMode": 0o440}}
+    (container,) = pod["containers"]
+    assert {"name": "admin-token", "mountPath": "/var/run/kvpilot/admin", "readOnly": True} in container["volumeMounts"]
+    assert _flag(container["args"], "--admin-token-file") == "/var/run/kvpilot/admin/token"
+    # The token is an input: rendering never makes one up, so a reconcile cannot rotate it.
+    assert ADMIN_TOKEN not in json.dumps(rendered["Deployment"])
+
+
+def test_auto_pods_start_with_the_policy_of_the_scheduling_config_map() -> None:
+    rendered = children(with_spec(**AUTO))
+    (container,) = rendered["Deployment"]["spec"]["template"]["spec"]["containers"]
+    # The file overrides the flag, which names where `auto` starts before the tuner first decides.
+    assert _flag(container["args"], "--scheduling-policy") == "fcfs"
+    assert _flag(container["args"], "--scheduling-policy-file") == "/var/run/kvpilot/scheduling/policy"
+    assert {"name": "scheduling", "mountPath": "/var/run/kvpilot/scheduling", "readOnly": True} \
+        in container["volumeMounts"]
+    assert rendered["llama-scheduling"]["data"] == {"policy": "fcfs"}
+
+
+@pytest.mark.parametrize("pinned", ["fcfs", "priority"])
+def test_a_pinned_policy_is_a_flag(pinned: str) -> None:
+    rendered = children(with_spec(scheduling__policy=pinned))
+    (container,) = rendered["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert _flag(container["args"], "--scheduling-policy") == pinned
+    assert "--scheduling-policy-file" not in container["args"]
+    assert rendered["llama-scheduling"]["data"] == {"policy": pinned}
+
+
+def test_policy_flips_change_the_scheduling_config_map_and_never_the_pod_template() -> None:
+    calm = with_spec(**AUTO)
+    pressured = {**calm, "status": {"effectiveSchedulingPolicy": "priority"}}
+    assert render.effective_scheduling_policy(calm) == "fcfs"
+    assert render.effective_scheduling_policy(pressured) == "priority"
+    assert children(pressured)["llama-scheduling"]["data"] == {"policy": "priority"}
+    assert template_hash(calm) == template_hash(pressured)
+    assert children(calm)["Deployment"] == children(pressured)["Deployment"]
+    # A pinned policy ignores what status says.
+    pinned = {**with_spec(scheduling__policy="fcfs"), "status": {"effectiveSchedulingPolicy": "priority"}}
+    assert render.effective_scheduling_policy(pinned) == "fcfs"
+
+
+def _flag(args: list[str], name: str) -> str:
+    assert args.count(name) == 1, args
+    return args[args.index(name) + 1]

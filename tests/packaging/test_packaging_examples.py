@@ -78,10 +78,14 @@ def test_the_operator_writes_valid_objects_for_every_example(path: Path, tmp_pat
     written = run(scenario())
     for engine in engines(documents):
         name = engine["metadata"]["name"]
-        mine = {obj["kind"]: obj for obj in written if naming.owner_name(obj) == name}
-        assert sorted(mine) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
+        mine = {(obj["kind"], obj["metadata"]["name"]): obj for obj in written if naming.owner_name(obj) == name}
+        assert sorted(mine) == [
+            ("ConfigMap", f"{name}-config"), ("ConfigMap", f"{name}-scheduling"), ("Deployment", name),
+            ("PodDisruptionBudget", name), ("Secret", f"{name}-admin-token"), ("Secret", f"{name}-tenant-keys"),
+            ("Service", name),
+        ]
         keyed = {t["name"] for t in engine["spec"].get("scheduling", {}).get("tenants", []) if "apiKeySecretRef" in t}
-        assert set(mine["Secret"].get("data", {})) == keyed, "every tenant's key was found in its Secret"
+        assert set(mine["Secret", f"{name}-tenant-keys"].get("data", {})) == keyed, "every tenant's key was found in its Secret"
     for obj in written:
         validate(obj)
 

@@ -42,6 +42,11 @@ def test_bad_files_are_named(capsys, tmp_path):
     assert "argument --tenants-file:" in error and "priority must be an integer" in error
     error = _usage_error(capsys, str(tmp_path), "--admin-token-file", str(tmp_path / "missing"))
     assert "argument --admin-token-file:" in error
+    error = _usage_error(capsys, str(tmp_path), "--scheduling-policy-file", str(tmp_path / "missing"))
+    assert "argument --scheduling-policy-file:" in error and "No such file" in error
+    (tmp_path / "policy").write_text("lifo\n")
+    error = _usage_error(capsys, str(tmp_path), "--scheduling-policy-file", str(tmp_path / "policy"))
+    assert "argument --scheduling-policy-file:" in error and "unknown scheduling policy 'lifo'" in error
 
 
 def test_a_folder_without_a_model_is_refused(capsys, tmp_path):
