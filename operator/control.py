@@ -1,8 +1,10 @@
 """The control loop: every intervalSeconds, for each engine that some controller wants, list its
 pods, read the ready ones' metrics once, and hand that same reading to each controller.
 
-`ControlLoops.controllers` is the hook point: the autoscaler is one `Controller`; another (the
-scheduling-policy tuner) plugs in beside it, and gets the same pods and reading each interval.
+`ControlLoops.controllers` are what runs on each reading: the autoscaler (below), for engines
+with autoscaling enabled, and the scheduling-policy tuner (tuning.py), for `scheduling.policy:
+auto`; each has the same `Controller` shape. The autoscaler goes first: the tuner judges whether
+the engine can still scale from the replicas the interval began with.
 
 One asyncio task per engine, started and stopped from the engines' watch events: no kopf daemon
 or timer, so no finalizer on the InferenceEngines (deletion still relies on ownerReferences
@@ -25,7 +27,7 @@ from typing import Any, Protocol, cast
 import aiohttp
 import kopf
 
-from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, samples, status
+from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, samples, status, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +80,17 @@ class ControlLoops:
         reconciler: reconcile.Reconciler,
         *,
         pod_metrics_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_metrics_url,
+        pod_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_url,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._reconciler = reconciler
         self._client = reconciler.client
         self._pod_metrics_url = pod_metrics_url
+        # Tests advance time themselves, e.g. through a calm window of minutes.
+        self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[Key, asyncio.Task[None]] = {}
-        self.controllers: list[Controller] = [Autoscaling(reconciler)]
+        self.controllers: list[Controller] = [Autoscaling(reconciler), tuning.PolicyTuning(reconciler, pod_url=pod_url)]
 
     def follow(self, engine: Mapping[str, Any], *, deleted: bool) -> None:
         """Start or stop the engine's loop after a watch event. Called from a kopf handler, so
@@ -116,10 +122,13 @@ class ControlLoops:
         pods = await self._client.list("v1", "Pod", namespace, selector=naming.selector_string(name))
         ready, starting = pod_states(pods)
         reading = await self._read(engine, ready, seconds)
-        interval = Interval(engine, ready, starting, reading, time.time())
+        interval = Interval(engine, ready, starting, reading, self._clock())
         for controller in self.controllers:
             if controller.wants(spec):
                 await controller.step(interval)
+            else:
+                # Turned off while the loop goes on for another: if turned on again, it starts afresh.
+                controller.forget((namespace, name))
         return seconds
 
     def _wanted(self, engine: Mapping[str, Any]) -> bool:
@@ -161,7 +170,7 @@ class ControlLoops:
             if isinstance(token, samples.Problem):
                 return samples.Reading(failure=token)
             source = metrics.Prometheus(self._session, prometheus["url"], timeout=timeout, bearer_token=token)
-        return await source.read(namespace, ready, time.time())
+        return await source.read(namespace, ready, self._clock())
 
     async def _bearer_token(self, namespace: str, prometheus: Mapping[str, Any]) -> str | samples.Problem | None:
         ref = prometheus.get("bearerTokenSecretRef")

@@ -46,9 +46,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
     memo.reconciler = reconcile.Reconciler(kube.Kube(settings))
-    # Tests point the direct scrape at pages of their own, where pods have no reachable IP.
+    # Tests point the direct scrape and the policy tuner's calls at fake pods of their own, where
+    # pods have no reachable IP.
     memo.control = control.ControlLoops(
-        memo.reconciler, pod_metrics_url=memo.get("pod_metrics_url", metrics.pod_metrics_url)
+        memo.reconciler,
+        pod_metrics_url=memo.get("pod_metrics_url", metrics.pod_metrics_url),
+        pod_url=memo.get("pod_url", metrics.pod_url),
     )
 
 

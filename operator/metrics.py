@@ -41,13 +41,18 @@ def request_timeout(interval_seconds: float) -> float:
     return min(MAX_TIMEOUT_SECONDS, interval_seconds / 3)
 
 
-def pod_metrics_url(pod: Pod) -> str | None:
-    """Where a pod serves /metrics: its IP and the engine's container port."""
+def pod_url(pod: Pod) -> str | None:
+    """Where a pod's engine serves HTTP: its IP and the engine's container port."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{render.CONTAINER_PORT}/metrics"
+    return f"http://{host}:{render.CONTAINER_PORT}"
+
+
+def pod_metrics_url(pod: Pod) -> str | None:
+    base = pod_url(pod)
+    return None if base is None else f"{base}/metrics"
 
 
 def pod_name(pod: Pod) -> str:

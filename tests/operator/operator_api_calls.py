@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fake_metrics import fake_metrics
+from fake_pods import FakePod, serving
 from operator_harness import NAMESPACE, TEST_CLIENT, Cluster, child, cluster, created, eventually, operator, phase_is, run
 
 Right = tuple[str, str, str]
@@ -27,11 +28,12 @@ def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
 
 def recorded_calls(tmp_path: Path) -> set[Right]:
     """Every right the operator needs while it creates an engine's children (ServiceMonitor
-    included), follows a spec change and a rollout, recreates a deleted Deployment, and
-    autoscales, reading the pods directly and then through Prometheus."""
+    included), follows a spec change and a rollout, recreates a deleted Deployment, autoscales,
+    reading the pods directly and then through Prometheus, and tunes the scheduling policy."""
     async def scenario() -> set[Right]:
-        async with cluster(tmp_path, service_monitors=True) as k, fake_metrics() as fake, \
-                operator(pod_metrics_url=fake.pod_url):
+        pod = FakePod(token=None)
+        async with cluster(tmp_path, service_monitors=True) as k, fake_metrics() as fake, serving(pod=pod) as urls, \
+                operator(pod_metrics_url=fake.pod_url, pod_url=lambda _: urls["pod"]):
             await created(k)
             await eventually(lambda: child(k, "ServiceMonitor"), "every child")
             await k.update_engine("qwen", lambda spec: spec.update(image="ghcr.io/kvpilot/kvpilot:0.2.0"))
@@ -48,6 +50,11 @@ def recorded_calls(tmp_path: Path) -> set[Right]:
             await eventually(lambda: k.engine("qwen")["spec"]["replicas"] == 2, "a scale-up")
             await k.update_engine("qwen", lambda spec: spec["autoscaling"].update(prometheus={"url": fake.url}))
             await eventually(lambda: fake.queries, "a Prometheus query")
+
+            # At maxReplicas with a queue: the policy tuner switches the engine and its pod.
+            fake.set(["qwen-a"], kv=1.0, waiting=50)
+            await k.update_engine("qwen", lambda spec: spec["scheduling"].update(policy="auto"))
+            await eventually(lambda: pod.switches == ["priority"], "the pod switched", timeout=20)
             return used(k)
 
     return run(scenario())

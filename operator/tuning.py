@@ -1,0 +1,113 @@
+"""The policy tuner's controller in the control loop: one engine's decision (tuner.py) applied,
+each interval, from the same reading the autoscaler gets.
+
+A decision that changes the effective policy is recorded in status.effectiveSchedulingPolicy and
+in an Event. Then, whatever was decided, the policy is made true wherever it may have drifted:
+the scheduling ConfigMap that starting pods read, and every ready pod, read back and switched
+where it differs (a pod that restarted, or was not ready at the switch). So each interval repairs
+what the last one could not reach. Engines with a pinned policy are not this controller's.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import kopf
+
+from kvpilot.operator import engine_admin, kube, metrics, reconcile, render, tuner
+
+if TYPE_CHECKING:
+    from kvpilot.operator.control import Interval, Key
+
+logger = logging.getLogger(__name__)
+
+CHANGED = "SchedulingPolicyChanged"
+
+
+class PolicyTuning:
+    def __init__(
+        self, reconciler: reconcile.Reconciler, *, pod_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_url
+    ) -> None:
+        self._reconciler = reconciler
+        self._pod_url = pod_url
+        # What each engine's last decision handed on; lost on restart, when status seeds it again.
+        self._states: dict[Key, tuner.TunerState] = {}
+
+    def wants(self, spec: Mapping[str, Any]) -> bool:
+        return spec["scheduling"]["policy"] == tuner.AUTO
+
+    def forget(self, key: Key) -> None:
+        self._states.pop(key, None)
+
+    async def step(self, interval: Interval) -> tuner.PolicyDecision:
+        engine = interval.engine
+        meta, spec = engine["metadata"], engine["spec"]
+        key = (meta["namespace"], meta["name"])
+        seconds = spec["autoscaling"]["intervalSeconds"]
+        depths = tuner.queue_depths(interval.reading, [metrics.pod_name(pod) for pod in interval.ready],
+                                    now=interval.now, interval_seconds=seconds)
+        decision = tuner.decide_policy(spec, can_scale=tuner.can_scale_further(spec), queue_depths=depths,
+                                       previous=self._states.get(key) or tuner.initial_state(engine),
+                                       now=interval.now)
+        self._states[key] = decision.state
+        if not depths and not spec["autoscaling"]["enabled"]:
+            # With autoscaling on, the autoscaler reports the reading's problems (MetricsAvailable).
+            logger.warning(f"InferenceEngine {key[0]}/{key[1]}: no usable queue reading ({_unusable(interval)});"
+                           f" keeping {decision.policy}")
+        recorded = render.effective_scheduling_policy(engine)
+        if decision.policy != recorded:
+            async def effective(_: Mapping[str, Any]) -> dict[str, Any]:
+                return {"effectiveSchedulingPolicy": decision.policy}
+
+            await self._reconciler.update_status(*key, effective)
+            kopf.info(engine, reason=CHANGED, message=f"{recorded} -> {decision.policy}: {decision.message}")
+        await self._keep_start_policy(engine, decision.policy)
+        await self._bring_pods_in_line(engine, interval.ready, decision.policy, metrics.request_timeout(seconds))
+        return decision
+
+    async def _keep_start_policy(self, engine: Mapping[str, Any], policy: str) -> None:
+        wanted = render.scheduling_config_map(engine, policy)
+        current = await self._reconciler.client.get(kube.path_of(wanted))
+        if current is None or current.get("data") != wanted["data"]:
+            await self._reconciler.client.apply(wanted)
+
+    async def _bring_pods_in_line(
+        self, engine: Mapping[str, Any], ready: Sequence[Mapping[str, Any]], policy: str, timeout: float
+    ) -> None:
+        targets = {metrics.pod_name(pod): url for pod in ready if (url := self._pod_url(pod)) is not None}
+        if not targets:
+            return
+        name = f"{engine['metadata']['namespace']}/{engine['metadata']['name']}"
+        token = await self._admin_token(engine)
+        if token is None:
+            logger.warning(f"InferenceEngine {name}: its admin token Secret is missing or not a token;"
+                           " the next reconcile makes one")
+            return
+        for result in await engine_admin.apply_policy(targets, policy, token, timeout=timeout):
+            if result.outcome == engine_admin.FAILED:
+                logger.warning(f"InferenceEngine {name}: pod {result.pod} is not switched to {policy}"
+                               f" (tried again next interval): {result.detail}")
+            elif result.outcome == engine_admin.SWITCHED:
+                logger.info(f"InferenceEngine {name}: pod {result.pod} switched {result.detail}")
+
+    async def _admin_token(self, engine: Mapping[str, Any]) -> str | None:
+        stored = await self._reconciler.stored_admin_token(engine)
+        if stored is None:
+            return None
+        try:
+            return base64.b64decode(stored, validate=True).decode().strip() or None
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+
+
+def _unusable(interval: Interval) -> str:
+    reading = interval.reading
+    if reading.failure is not None:
+        return reading.failure.message
+    if reading.problems:
+        return "; ".join(problem.message for problem in list(reading.problems.values())[:3])
+    return "no ready pod" if not interval.ready else "a sample is stale"
