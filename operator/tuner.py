@@ -101,7 +101,7 @@ def decide_policy(
         # Neither pressure nor calm can be claimed without a reading: both stretches start over.
         return PolicyDecision(previous.policy, "MetricsMissing",
                               f"no usable queue reading: keeping {previous.policy}", TunerState(previous.policy))
-    reading = f"{depth:g} waiting requests per replica (target {target:g})"
+    reading = f"{depth:.3g} waiting requests per replica (target {target:g})"
 
     if previous.policy != PRESSURE_POLICY:
         pressured = previous.pressured_intervals + 1 if depth > target and not can_scale else 0
@@ -126,6 +126,6 @@ def decide_policy(
     calm_for = now - calm_since
     if calm_for >= window:
         return PolicyDecision(CALM_POLICY, "CalmWindowPassed",
-                              f"{reading} for {calm_for:g}s (calmWindowSeconds {window})", TunerState(CALM_POLICY))
-    return PolicyDecision(PRESSURE_POLICY, "Calming", f"{reading} for {calm_for:g}s of {window}s",
+                              f"{reading} for {calm_for:.0f}s (calmWindowSeconds {window})", TunerState(CALM_POLICY))
+    return PolicyDecision(PRESSURE_POLICY, "Calming", f"{reading} for {calm_for:.0f}s of {window}s",
                           TunerState(PRESSURE_POLICY, calm_since=calm_since))
