@@ -3,9 +3,9 @@
 Handlers go to this module's own `registry`, which `kvpilot operator` runs; nothing is
 registered globally on import. No deletion handler, daemon or timer is registered: each of those
 would make kopf put a finalizer on every InferenceEngine, and deletion needs none, because every
-child carries an ownerReference and the garbage collector removes it. The control loop (autoscaling)
-is an operator-level task per engine, started and stopped by a plain event handler, for the same
-reason.
+child carries an ownerReference and the garbage collector removes it. The control loop
+(autoscaling, policy tuning) is an operator-level task per engine, started and stopped by a plain
+event handler, for the same reason.
 """
 
 from __future__ import annotations
