@@ -19,6 +19,7 @@ on a handful of programs. All arithmetic is fp32: every load is converted on arr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -159,11 +160,16 @@ def _merge_splits_kernel(
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Split the context only where the batch alone leaves most of the device idle."""
-    if num_programs >= num_sms:
+    if num_programs >= num_sms or max_seq_len < 2 * _MIN_TOKENS_PER_SPLIT:
         return 1
     by_length = max_seq_len // _MIN_TOKENS_PER_SPLIT
     by_occupancy = -(-2 * num_sms // num_programs)
     return max(1, min(_MAX_SPLITS, by_length, triton.next_power_of_2(by_occupancy)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(
@@ -175,22 +181,22 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int,
-    num_splits: int = 1,
+    max_seq_len: int,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; key/value_cache: [num_blocks, block_size, kv_heads, head_dim].
 
-    `max_query_len` sizes the query tile; `num_splits` (a power of two) splits each context.
+    The host ints `max_query_len` and `max_seq_len` size the launch without reading the device.
+    `num_splits` (a power of two) splits each context; by default it is chosen from the device's
+    occupancy on CUDA, and is 1 under the interpreter, which runs programs one after another.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group onto {num_kv_heads} KV heads")
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the key and value caches need one layout with contiguous head_dim, and q too")
-    out = torch.empty_like(q) if out is None else out
     num_reqs = seq_lens.shape[0]
     queries_per_kv = num_heads // num_kv_heads
     queries_per_kv_pad = triton.next_power_of_2(queries_per_kv)
@@ -201,6 +207,13 @@ def paged_attention(
     # Keys per step: a [BLOCK_M, BLOCK_N] score tile plus K and V tiles stay within registers.
     block_n = 64 if head_dim_pad <= 64 else 32
     num_tiles = num_tokens // block_q + num_reqs
+    if num_splits is None:
+        num_sms = _num_sms(q.device) if q.device.type == "cuda" else 0
+        busy_tiles = min(num_tiles, num_reqs * -(-max_query_len // block_q))
+        num_splits = choose_num_splits(busy_tiles * num_kv_heads, max_seq_len, num_sms) if num_sms else 1
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    out = torch.empty_like(q) if out is None else out
 
     if num_splits == 1:
         partial_out = partial_max = partial_sum = out  # unused: the kernel stores into `out`
