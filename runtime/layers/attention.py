@@ -47,6 +47,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    # "torch" or "triton": the model's other layers follow it (RoPE, RMSNorm).
+    name: str
+
     def forward(
         self,
         q: torch.Tensor,
@@ -67,6 +70,8 @@ class TorchPagedAttention:
     Requests decoding one token go through one batched, padded call; each prefill chunk gets
     its own causal call, since padding queries as well would waste more than it saves.
     """
+
+    name = "torch"
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -120,6 +125,8 @@ class TritonPagedAttention:
 
     It reads only device tensors and host ints from the metadata, so nothing waits on the device.
     """
+
+    name = "triton"
 
     def __init__(self) -> None:
         # Imported here: the torch backend, and every process that never attends, load no Triton.
