@@ -12,13 +12,18 @@ import triton
 import triton.language as tl
 
 
+# Elements one program rotates: a token or two of a real model, many tokens of a tiny one.
+_ELEMENTS_PER_PROGRAM = 4096
+
+
 @triton.jit
-def _rotate_heads(x_ptr, stride_t, stride_h, token, cos, sin, num_heads,
+def _rotate_heads(x_ptr, stride_t, stride_h, tokens, token_valid, cos, sin, num_heads,
                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_j = tl.arange(0, HALF_PAD)
-    mask = (offs_h < num_heads)[:, None] & (offs_j < HALF)[None, :]
-    first = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_j[None, :]
+    """tokens: [TOKENS, 1, 1]; cos, sin: [TOKENS, 1, HALF_PAD]."""
+    offs_h = tl.arange(0, HEADS_PAD)[None, :, None]
+    offs_j = tl.arange(0, HALF_PAD)[None, None, :]
+    mask = token_valid & (offs_h < num_heads) & (offs_j < HALF)
+    first = x_ptr + tokens * stride_t + offs_h * stride_h + offs_j
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
@@ -27,18 +32,21 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, cos, sin, num_heads,
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, num_tokens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr,
     HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    offs_j = tl.arange(0, HALF_PAD)
-    cos = tl.load(cos_ptr + position * stride_table + offs_j, mask=offs_j < HALF).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + position * stride_table + offs_j, mask=offs_j < HALF).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, stride_qt, stride_qh, token, cos, sin, NUM_HEADS, HEADS_PAD, HALF, HALF_PAD)
-    _rotate_heads(k_ptr, stride_kt, stride_kh, token, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
+    tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)[:, None, None]
+    token_valid = tokens < num_tokens
+    position = tl.load(positions_ptr + tokens, mask=token_valid, other=0).to(tl.int64)
+    offs_j = tl.arange(0, HALF_PAD)[None, None, :]
+    table_mask = token_valid & (offs_j < HALF)
+    cos = tl.load(cos_ptr + position * stride_table + offs_j, mask=table_mask).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_table + offs_j, mask=table_mask).to(tl.float32)
+    _rotate_heads(q_ptr, stride_qt, stride_qh, tokens, token_valid, cos, sin, NUM_HEADS, HEADS_PAD, HALF, HALF_PAD)
+    _rotate_heads(k_ptr, stride_kt, stride_kh, tokens, token_valid, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD,
+                  HALF, HALF_PAD)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -48,12 +56,14 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     half = head_dim // 2
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("rotary_embedding needs head_dim contiguous and cos, sin of one layout")
-    _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos, sin,
+    heads_pad, half_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
+    tokens = min(triton.next_power_of_2(max(1, num_tokens)), max(1, _ELEMENTS_PER_PROGRAM // (heads_pad * half_pad)))
+    _rotary_kernel[(triton.cdiv(num_tokens, tokens),)](
+        q, k, positions, cos, sin, num_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1],
-        HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], TOKENS=tokens,
+        HEADS_PAD=heads_pad, KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+        HALF=half, HALF_PAD=half_pad,
     )
 
 
