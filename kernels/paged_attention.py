@@ -35,7 +35,7 @@ _MAX_SPLITS = 16
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     """The last request whose first tile is at or before `tile`."""
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -47,7 +47,8 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# A batch of one request must not make `num_reqs` a compile-time constant (the loop bound changes type).
+@triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
