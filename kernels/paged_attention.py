@@ -202,11 +202,12 @@ def paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     queries_per_kv_pad = triton.next_power_of_2(queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    # Decode tiles hold one query; a tile of 16 rows is what tensor cores multiply at least.
-    rows = 16 if max_query_len == 1 else 64
-    block_q = max(1, rows // queries_per_kv_pad)
-    # Keys per step: a [BLOCK_M, BLOCK_N] score tile plus K and V tiles stay within registers.
-    block_n = 64 if head_dim_pad <= 64 else 32
+    # Decode tiles hold one query per head of the group; 16 rows is the least tl.dot multiplies.
+    # The fp32 (FMA, not tensor-core) dots keep their operands in registers: the key step shrinks
+    # as rows and head_dim grow, which ptxas shows keeps sm_90 builds free of spills.
+    block_m = max(16 if max_query_len == 1 else 32, queries_per_kv_pad)
+    block_q = block_m // queries_per_kv_pad
+    block_n = max(16, min(64, 65536 // (block_m * head_dim_pad)))
     num_tiles = num_tokens // block_q + num_reqs
     if num_splits is None:
         num_sms = _num_sms(q.device) if q.device.type == "cuda" else 0

@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 # Elements one program copies (per tensor): a few tokens of a real model, many of a tiny one.
-_ELEMENTS_PER_PROGRAM = 4096
+_ELEMENTS_PER_PROGRAM = 2048
 
 
 @triton.jit
