@@ -6,20 +6,25 @@ device-to-device copy.
     PYTHONSAFEPATH=1 .venv/bin/python bench/kernels.py [--dtype bfloat16]
 
 On a machine without CUDA it says so and exits 0: the interpreter proves the kernels correct on
-a CPU (tests/kernels), but it says nothing about their speed.
+a CPU (tests/kernels), but it says nothing about their speed. `--tiny` runs every row on tiny
+shapes instead (under the Triton interpreter where there is no GPU), so that the script cannot
+rot between GPU runs; its numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-HIDDEN = 4096
+HIDDEN, NUM_TOKENS = 4096, 8192
 COPY_BYTES = 2 * 1024**3
 
 
@@ -33,7 +38,15 @@ class Row:
 
 
 def timed(fn) -> float:
-    """Median seconds per call, from CUDA events (triton's do_bench: warm-up, cache flush, repeats)."""
+    """Median seconds per call: on CUDA from events (triton's do_bench: warm-up, cache flush,
+    repeats); elsewhere (the tiny mode) from the host clock."""
+    if not torch.cuda.is_available():
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
@@ -111,7 +124,7 @@ def attention_row(name, batch, dtype, device) -> Row:
 def cache_write_row(dtype, device) -> Row:
     from kvpilot.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 
-    num_tokens, num_blocks = 8192, 1024
+    num_tokens, num_blocks = NUM_TOKENS, max(1, NUM_TOKENS // BLOCK_SIZE)
     key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     value = torch.randn_like(key)
     cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -129,12 +142,12 @@ def cache_write_row(dtype, device) -> Row:
 def rms_norm_row(dtype, device) -> Row:
     from kvpilot.kernels.rms_norm import rms_norm, rms_norm_reference
 
-    x = torch.randn(8192, HIDDEN, dtype=dtype, device=device)
+    x = torch.randn(NUM_TOKENS, HIDDEN, dtype=dtype, device=device)
     residual, weight = torch.randn_like(x), torch.randn(HIDDEN, dtype=dtype, device=device)
     r1, r2 = residual.clone(), residual.clone()
     diff = (rms_norm(x, weight, 1e-6, r1).float() - rms_norm_reference(x, weight, 1e-6, r2).float()).abs().max().item()
     return Row(
-        "RMSNorm + residual, 8192 x 4096", timed(lambda: rms_norm(x, weight, 1e-6, residual)), 4 * x.nbytes,
+        f"RMSNorm + residual, {NUM_TOKENS} x {HIDDEN}", timed(lambda: rms_norm(x, weight, 1e-6, residual)), 4 * x.nbytes,
         {"torch reference": timed(lambda: rms_norm_reference(x, weight, 1e-6, residual))}, diff,
     )
 
@@ -142,7 +155,7 @@ def rms_norm_row(dtype, device) -> Row:
 def rotary_row(dtype, device) -> Row:
     from kvpilot.kernels.rotary import rotary_embedding, rotary_embedding_reference
 
-    num_tokens = 8192
+    num_tokens = NUM_TOKENS
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     angles = torch.rand(num_tokens, HEAD_DIM // 2, device=device)
@@ -159,32 +172,54 @@ def rotary_row(dtype, device) -> Row:
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA device; none is visible, so nothing was measured.")
-        return 0
-    dtype, device = getattr(torch, args.dtype), torch.device("cuda")
-    peak = copy_bandwidth(device)
-    rows = [
+def rows(dtype, device, tiny: bool) -> list[Row]:
+    if tiny:
+        return [
+            attention_row("decode, 3 seqs x 40 ctx", [(1, 40)] * 3, dtype, device),
+            attention_row("decode, 2 seqs x 600 ctx", [(1, 600)] * 2, dtype, device),
+            attention_row("mixed: 2 chunks of 5 over 20 ctx + 1 decode x 9", [(5, 20)] * 2 + [(1, 9)], dtype, device),
+            cache_write_row(dtype, device), rms_norm_row(dtype, device), rotary_row(dtype, device),
+        ]
+    return [
         attention_row("decode, 64 seqs x 2048 ctx", [(1, 2048)] * 64, dtype, device),
-        attention_row("decode, 4 seqs x 16384 ctx (split-K)", [(1, 16384)] * 4, dtype, device),
+        attention_row("split-K decode, 4 seqs x 16384 ctx", [(1, 16384)] * 4, dtype, device),
         attention_row("mixed: 2 chunks of 512 over 1536 ctx + 32 decode x 1024", [(512, 2048)] * 2 + [(1, 1024)] * 32,
                       dtype, device),
-        cache_write_row(dtype, device),
-        rms_norm_row(dtype, device),
-        rotary_row(dtype, device),
+        cache_write_row(dtype, device), rms_norm_row(dtype, device), rotary_row(dtype, device),
     ]
-    print(f"{torch.cuda.get_device_name(device)}, {args.dtype}; device-to-device copy: {peak / 1e9:.0f} GB/s\n")
-    print("| kernel | time | bandwidth (of copy peak) | baselines (time, kernel speed-up) | max abs diff vs reference |")
-    print("|---|---|---|---|---|")
-    for row in rows:
+
+
+def main() -> int:
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, NUM_TOKENS, COPY_BYTES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check that the script runs; numbers mean nothing")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print("bench/kernels.py needs a CUDA device; none is visible, so nothing was measured.")
+        return 0
+    if args.tiny:
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, NUM_TOKENS, COPY_BYTES = 4, 2, 16, 64, 32, 2**24
+        if not cuda:
+            # Before the kernels are imported: Triton reads it when it decorates them.
+            os.environ["TRITON_INTERPRET"] = "1"
+    dtype, device = getattr(torch, args.dtype), torch.device("cuda" if cuda else "cpu")
+    peak = copy_bandwidth(device)
+    measured = rows(dtype, device, args.tiny)
+    where = torch.cuda.get_device_name(device) if cuda else "CPU, Triton interpreter (tiny mode: the numbers mean nothing)"
+    print(f"{where}, {args.dtype}; device-to-device copy: {peak / 1e9:.0f} GB/s\n")
+    print("| workload | kernel | bandwidth (of copy) | torch reference | speed-up | SDPA, contiguous | speed-up "
+          "| max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in measured:
         bandwidth = row.bytes_moved / row.seconds
-        baselines = "; ".join(f"{name}: {t * 1e6:.0f} us ({t / row.seconds:.2f}x)" for name, t in row.baselines.items())
-        print(f"| {row.name} | {row.seconds * 1e6:.1f} us | {bandwidth / 1e9:.0f} GB/s ({bandwidth / peak:.0%}) "
-              f"| {baselines} | {row.max_abs_diff:.1e} |")
+        cells = []
+        for name in ("torch reference", "SDPA, contiguous"):
+            baseline = row.baselines.get(name)
+            cells += ["", ""] if baseline is None else [f"{baseline * 1e6:.0f} us", f"{baseline / row.seconds:.2f}x"]
+        print(f"| {row.name} | {row.seconds * 1e6:.1f} us | {bandwidth / 1e9:.0f} GB/s ({bandwidth / peak:.0%}) | "
+              + " | ".join(cells) + f" | {row.max_abs_diff:.1e} |")
     return 0
 
 
