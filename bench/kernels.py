@@ -3,7 +3,7 @@
 memory bandwidth as a fraction of the device's peak, measured in the same run by a large
 device-to-device copy.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/kernels.py [--dtype bfloat16]
+    .venv/bin/python bench/kernels.py [--dtype bfloat16]
 
 On a machine without CUDA it says so and exits 0: the interpreter proves the kernels correct on
 a CPU (tests/kernels), but it says nothing about their speed. `--tiny` runs every row on tiny

@@ -6,7 +6,7 @@ Each wrapper is called on meta tensors; its launches are recorded instead of run
 with the argument types and compile-time constants the launch would have used. This proves the
 CUDA path builds; it does not run it.
 
-    python tests/kernels/compile_for_cuda.py [ARCH]    # ARCH: 90 (H100/H200, default), 80 (A100)
+    .venv/bin/python tests/kernels/compile_for_cuda.py [ARCH]    # ARCH: 90 (H100/H200, default), 80 (A100)
 """
 
 from __future__ import annotations
