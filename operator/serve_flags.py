@@ -49,6 +49,7 @@ SPEC_FLAGS: tuple[SpecFlag, ...] = (
     SpecFlag(("engine", "maxNumBatchedTokens"), "--max-num-batched-tokens"),
     SpecFlag(("engine", "maxModelLen"), "--max-model-len"),
     SpecFlag(("engine", "gpuMemoryUtilization"), "--gpu-memory-utilization"),
+    SpecFlag(("engine", "attentionBackend"), "--attention-backend"),
     SpecFlag(("engine", "blockSize"), "--block-size"),
     SpecFlag(("engine", "enablePrefixCaching"), "--enable-prefix-caching"),
     SpecFlag(("scheduling", "policy"), "--scheduling-policy",

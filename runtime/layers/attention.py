@@ -8,12 +8,15 @@ slot is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvpilot.runtime.config import ATTENTION_BACKENDS
 
 
 @dataclass
@@ -44,6 +47,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    # "torch" or "triton": the model's other layers follow it (RoPE, RMSNorm).
+    name: str
+
     def forward(
         self,
         q: torch.Tensor,
@@ -64,6 +70,8 @@ class TorchPagedAttention:
     Requests decoding one token go through one batched, padded call; each prefill chunk gets
     its own causal call, since padding queries as well would waste more than it saves.
     """
+
+    name = "torch"
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -112,13 +120,43 @@ def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(0, 1)
 
 
-ATTENTION_BACKENDS = ("auto", "torch")
+class TritonPagedAttention:
+    """The kernels in kvpilot.kernels: one cache write, then one launch for the whole packed batch.
+
+    It reads only device tensors and host ints from the metadata, so nothing waits on the device.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here: the torch backend, and every process that never attends, load no Triton.
+        from kvpilot.kernels.paged_attention import paged_attention
+        from kvpilot.kernels.reshape_and_cache import reshape_and_cache
+
+        self._attend, self._write = paged_attention, reshape_and_cache
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self._write(k, v, key_cache, value_cache, metadata.slot_mapping)
+        return self._attend(q, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
+                            metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len)
+
+
+def resolve_attention_backend(name: str, device_type: str) -> str:
+    """`auto` is Triton on CUDA and torch elsewhere; Triton on a CPU only under its interpreter."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device_type == "cuda" else "torch"
+    if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend 'triton' on a CPU runs only under the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 (slow; for tests), or use 'torch'")
+    return name
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    # `auto` will pick the Triton backend on CUDA once kernels/ provides it.
+    if resolve_attention_backend(name, device.type) == "triton":
+        return TritonPagedAttention()
     return TorchPagedAttention()
 
 

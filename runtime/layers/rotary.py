@@ -32,16 +32,31 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
+                 use_triton: bool = False) -> None:
         super().__init__()
         freqs = torch.arange(max_position).float()[:, None] * inverse_frequencies(head_dim, theta, scaling)
         # Both halves of the head share each frequency.
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
+        self._triton = None
+        if use_triton:
+            # Imported here: torch-only engines load no Triton.
+            from kvpilot.kernels.rotary import rotary_embedding
+
+            self._triton = rotary_embedding
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T].
+
+        The Triton kernel rotates q and k in place (they may be views of one projection output)
+        from the first half of the tables, which holds each angle once.
+        """
+        if self._triton is not None:
+            half = q.shape[-1] // 2
+            self._triton(positions, q, k, self.cos[:, :half], self.sin[:, :half])
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -78,25 +78,34 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+        triton = backend.name == "triton"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, triton)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, triton)
 
-    def forward(self, positions, hidden, metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, metadata):
+        """Returns this layer's output and the residual stream before it; their sum is the stream after."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        # The triton backend brings the other Triton kernels along: RoPE and the fused RMSNorm.
+        triton = backend.name == "triton"
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                 config.rope_theta, config.rope_scaling)
+                                 config.rope_theta, config.rope_scaling, triton)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.torch_dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, triton)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -108,9 +117,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states, [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

@@ -20,12 +20,12 @@ from kvpilot.runtime.worker.input_batch import InputBatch
 class ModelRunner:
     """One rank's model, KV cache and persistent batch; with TP 1 it is the whole executor."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str = "auto") -> None:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
-        self.model = load_model(config.model, get_attention_backend(attention_backend, device), device)
+        self.model = load_model(config.model, get_attention_backend(config.model.attention_backend, device), device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
         self.batch = InputBatch(

@@ -34,6 +34,7 @@ FULL_SPEC: dict[str, Any] = {
         "maxModelLen": 8192,
         "enablePrefixCaching": False,
         "gpuMemoryUtilization": 0.85,
+        "attentionBackend": "triton",
         "extraArgs": ["--seed", "7"],
     },
     "scheduling": {

@@ -66,7 +66,7 @@ def test_schema_carries_every_design_field() -> None:
     }
     assert set(spec["engine"]["properties"]) >= {
         "maxNumSeqs", "maxNumBatchedTokens", "maxModelLen", "blockSize", "enablePrefixCaching",
-        "gpuMemoryUtilization", "extraArgs",
+        "gpuMemoryUtilization", "attentionBackend", "extraArgs",
     }
     assert spec["scheduling"]["properties"]["policy"]["enum"] == ["fcfs", "priority", "auto"]
     assert set(spec["scheduling"]["properties"]["tenants"]["items"]["properties"]) >= {

@@ -34,6 +34,7 @@ def test_the_engine_accepts_the_rendered_flags(monkeypatch: pytest.MonkeyPatch) 
     assert parsed.tenants_file == Path("/etc/kvpilot/tenants.yaml")
     assert parsed.seed == 7
     assert parsed.gpu_memory_utilization == FULL_SPEC["engine"]["gpuMemoryUtilization"]
+    assert parsed.attention_backend == "triton"
 
 
 def test_the_engine_accepts_the_flags_of_an_auto_policy(monkeypatch: pytest.MonkeyPatch) -> None:

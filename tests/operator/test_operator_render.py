@@ -217,6 +217,7 @@ def test_serve_flags_follow_the_engine_spec() -> None:
         "--max-num-batched-tokens", "8192",
         "--max-model-len", "8192",
         "--gpu-memory-utilization", "0.85",
+        "--attention-backend", "triton",
         "--block-size", "16",
         "--no-enable-prefix-caching",
         "--scheduling-policy", "priority",

@@ -1,0 +1,106 @@
+"""Compile every kernel launch the wrappers make, down to a cubin for a CUDA target, on a machine
+without a GPU: Triton's own compiler and its bundled ptxas need no device.
+
+Run in a process without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted).
+Each wrapper is called on meta tensors; its launches are recorded instead of run, then compiled
+with the argument types and compile-time constants the launch would have used. This proves the
+CUDA path builds; it does not run it.
+
+    .venv/bin/python tests/kernels/compile_for_cuda.py [ARCH]    # ARCH: 90 (H100/H200, default), 80 (A100)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kvpilot.kernels.paged_attention import paged_attention
+from kvpilot.kernels.reshape_and_cache import reshape_and_cache
+from kvpilot.kernels.rms_norm import rms_norm
+from kvpilot.kernels.rotary import rotary_embedding
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.int32: "i32", torch.int64: "i64"}
+launches: list[tuple[JITFunction, tuple, dict]] = []
+
+
+def _record(self, grid):
+    return lambda *args, **constants: launches.append((self, args, constants))
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, float):
+        return "fp32"
+    return "i32" if -2**31 <= value < 2**31 else "i64"
+
+
+def compile_launch(fn: JITFunction, args: tuple, constants: dict, target: GPUTarget):
+    signature = {name: _type(value) for name, value in zip(fn.arg_names, args)}
+    signature.update({name: "constexpr" for name in constants})
+    constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+
+
+def register_report(kernel, arch: int) -> str:
+    """ptxas's own account of registers and spills for the kernel's PTX."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        run = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+                              ptx.name, "-o", "/dev/null"], capture_output=True, text=True, check=True)
+    lines = [line.split("info    :")[-1].strip() for line in run.stderr.splitlines() if "registers" in line or "spill" in line]
+    return "; ".join(lines)
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def attention(num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_query_len, num_splits,
+              dtype):
+    cache = meta(2, 64, block_size, num_kv_heads, head_dim, dtype=dtype)
+    paged_attention(meta(num_tokens, num_heads, head_dim, dtype=dtype), cache[0], cache[1],
+                    meta(num_reqs, 8, dtype=torch.int32), meta(num_reqs + 1, dtype=torch.int32),
+                    meta(num_reqs, dtype=torch.int32), head_dim**-0.5, max_query_len, 4096, num_splits=num_splits)
+
+
+def main() -> int:
+    target = GPUTarget("cuda", int(sys.argv[1]) if len(sys.argv) > 1 else 90, 32)
+    JITFunction.__getitem__ = _record
+    # Decode at GQA 4, head_dim 128, block 16: one pass, and split-K (which adds the merge).
+    attention(64, 64, 32, 8, 128, 16, 1, 1, torch.bfloat16)
+    attention(4, 4, 32, 8, 128, 16, 1, 4, torch.bfloat16)
+    # A mixed batch with prefill chunks, head_dim 64; the tiny test model's fp32 shapes; Qwen2's odd group.
+    attention(600, 8, 16, 16, 64, 16, 512, 1, torch.float16)
+    attention(40, 4, 4, 2, 16, 4, 20, 1, torch.float32)
+    attention(40, 4, 14, 2, 64, 16, 20, 1, torch.bfloat16)
+    cache = meta(2, 64, 16, 8, 128)
+    reshape_and_cache(meta(256, 8, 128), meta(256, 8, 128), cache[0], cache[1], meta(256, dtype=torch.int64))
+    rms_norm(meta(256, 4096), meta(4096), 1e-6, meta(256, 4096))
+    rms_norm(meta(256, 576), meta(576), 1e-6)
+    qkv = meta(256, (32 + 2 * 8) * 128)
+    rotary_embedding(meta(256, dtype=torch.int64), qkv[:, :4096].view(256, 32, 128),
+                     qkv[:, 4096:5120].view(256, 8, 128), meta(4096, 128, dtype=torch.float32)[:, :64],
+                     meta(4096, 128, dtype=torch.float32)[:, :64])
+    for fn, args, constants in launches:
+        kernel = compile_launch(fn, args, constants, target)
+        assert kernel.asm["cubin"], fn.__name__
+        shape = ", ".join(f"{name}={value}" for name, value in constants.items() if name.startswith(("BLOCK", "HEAD_DIM", "QUER")))
+        print(f"sm_{target.arch} {fn.__name__} [{shape}]: {kernel.metadata.shared} B shared; "
+              f"{register_report(kernel, target.arch)}")
+    print(f"{len(launches)} launches compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
