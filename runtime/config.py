@@ -93,6 +93,9 @@ class ModelConfig:
     attention_backend: str = setting(
         "auto", "kernels for paged attention, KV-cache writes, RoPE and RMSNorm: triton (kernels/) or torch; "
         "auto is triton on CUDA, torch on a CPU", choices=ATTENTION_BACKENDS)
+    tokenizer: str | None = setting(
+        None, "take the tokenizer and chat template from this folder or .gguf file (default: the model's own)",
+        metavar="PATH")
 
     path: str
     architecture: str
@@ -120,7 +123,13 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **settings) -> "ModelConfig":
-        """The checkpoint's facts from its `config.json`; `settings` are this class's setting fields."""
+        """The checkpoint's facts from its `config.json` (or a GGUF file's metadata); `settings` are
+        this class's setting fields."""
+        if str(path).endswith(".gguf"):
+            # Imported here: reading GGUF needs the gguf package (and numpy), which HF folders do not.
+            from kvpilot.runtime.models.gguf_checkpoint import open_gguf
+
+            return cls(path=str(path), **open_gguf(str(path)).model_config_fields(), **settings)
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model: no config.json in {path!s}")

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-from pathlib import Path
 from typing import AsyncIterator, Callable
-
-from tokenizers import Tokenizer
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.core_client import EngineCoreClient, EngineDeadError
 from kvpilot.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, Utility
 from kvpilot.runtime.engine.output_processor import OutputProcessor, StatLogger, StreamOutput
 from kvpilot.runtime.engine.validation import validate_request
+from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.request import SamplingParams
 
 
@@ -34,13 +31,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
         self.config = config
         self.model_dir = config.model.path
-        model_path = Path(self.model_dir)
-        tokenizer_file = model_path / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ValueError(f"model: no tokenizer.json in {self.model_dir}")
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config_file = model_path / "tokenizer_config.json"
-        self.tokenizer_config: dict = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.tokenizer, self.tokenizer_config = load_tokenizer(self.model_dir, config.model.tokenizer)
         eos = self.config.model.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
         self.vocab_size = self.config.model.vocab_size

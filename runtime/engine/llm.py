@@ -7,14 +7,12 @@ server's, so an offline request's text, stop strings and logprobs are the served
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Sequence
-
-from tokenizers import Tokenizer
 
 from kvpilot.runtime.config import EngineArgs
 from kvpilot.runtime.engine.core import EngineCore, EngineStats
 from kvpilot.runtime.engine.output_processor import OutputProcessor, StreamOutput
+from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
 from kvpilot.runtime.request import Request, SamplingParams
 
@@ -24,10 +22,7 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str, **engine_args) -> None:
         self.config = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
-        tokenizer_file = Path(model) / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ValueError(f"model: no tokenizer.json in {model}")
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer, _ = load_tokenizer(model, self.config.model.tokenizer)
         eos = self.config.model.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
         self.engine = EngineCore(self.config)

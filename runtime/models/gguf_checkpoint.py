@@ -1,0 +1,175 @@
+"""A single GGUF file (llama.cpp's format) as the engine sees it: metadata, config and weights.
+
+The file is read with `gguf`, the reader published by the llama.cpp project. Weights are
+dequantized one tensor at a time to float32 with gguf's own dequantizer, renamed to Hugging Face
+names, and handed to the model's loader, which cuts each rank's shard out of them; only numpy is
+needed until then, so the API-server process can read the config and tokenizer without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+# general.architecture -> the engine's model class; Mistral files say "llama" too.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Stored unquantized; every other type must be one gguf's dequantizer knows.
+_PLAIN_TYPES = ("F32", "F16")
+
+# llama.cpp tensor names -> Hugging Face names (per layer, then the rest).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF the engine can run; the message names the file and the problem."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def supported_quantization_types() -> list[str]:
+    from gguf.quants import _type_traits
+
+    return list(_PLAIN_TYPES) + [qtype.name for qtype in _type_traits]
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str | Path) -> "GGUFCheckpoint":
+    """One reader per file and process: building one parses every metadata array (seconds)."""
+    return GGUFCheckpoint(path)
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | Path) -> None:
+        # Imported here: HF-folder users and the operator never need the package.
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"model: no such GGUF file: {path!s}")
+        try:
+            self._reader = GGUFReader(self.path)
+        except Exception as err:
+            # The reader indexes straight into a memory map: a short or foreign file surfaces
+            # as whatever numpy raised on the first out-of-range field.
+            raise GGUFError(f"model: {path!s} is not a readable GGUF file (truncated or corrupt?): "
+                            f"{type(err).__name__}: {err}") from None
+        self.arch = self.metadata("general.architecture", "?")
+        if self.arch not in GGUF_ARCHITECTURES:
+            raise GGUFError(
+                f"model: {self.path.name} has architecture {self.arch!r}, which kvpilot does not implement "
+                f"(supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)})"
+            )
+        self._check_quantization_types()
+
+    def metadata(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_metadata(self, key: str, default=None):
+        return self.metadata(f"{self.arch}.{key}", default)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [tensor.name for tensor in self._reader.tensors]
+
+    def _check_quantization_types(self) -> None:
+        supported = set(supported_quantization_types())
+        for tensor in self._reader.tensors:
+            if tensor.tensor_type.name not in supported:
+                raise GGUFError(
+                    f"model: tensor {tensor.name} in {self.path.name} is stored as {tensor.tensor_type.name}, "
+                    f"which kvpilot cannot dequantize (supported: {', '.join(sorted(supported))})"
+                )
+
+    def model_config_fields(self) -> dict:
+        """The ModelConfig fields this file's metadata gives (all but path and dtype)."""
+        heads = self.arch_metadata("attention.head_count")
+        hidden = self.arch_metadata("embedding_length")
+        eos = self.metadata("tokenizer.ggml.eos_token_id")
+        names = set(self.tensor_names)
+        return dict(
+            architecture=GGUF_ARCHITECTURES[self.arch],
+            vocab_size=self.arch_metadata("vocab_size") or len(self.metadata("tokenizer.ggml.tokens", [])),
+            hidden_size=hidden,
+            intermediate_size=self.arch_metadata("feed_forward_length"),
+            num_hidden_layers=self.arch_metadata("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=self.arch_metadata("attention.head_count_kv") or heads,
+            head_dim=self.arch_metadata("attention.key_length") or hidden // heads,
+            max_position_embeddings=self.arch_metadata("context_length", 2048),
+            rms_norm_eps=self.arch_metadata("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self.arch_metadata("rope.freq_base", 10000.0),
+            rope_scaling=self._rope_scaling(),
+            # llama.cpp writes no output matrix when the model reuses its embedding.
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            eos_token_ids=[] if eos is None else [eos],
+        )
+
+    def _rope_scaling(self) -> dict | None:
+        if "rope_freqs.weight" in self.tensor_names:
+            # Llama 3 style per-frequency factors: the metadata omits the parameters to rebuild them.
+            raise GGUFError(f"model: {self.path.name} uses per-frequency rope factors (rope_freqs), "
+                            "which kvpilot does not implement for GGUF files")
+        kind = self.arch_metadata("rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        if kind != "linear":
+            raise GGUFError(f"model: {self.path.name} asks for rope scaling {kind!r}; "
+                            "kvpilot implements only linear scaling for GGUF files")
+        return {"rope_type": "linear", "factor": self.arch_metadata("rope.scaling.factor")}
+
+    def iterate_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, float32 array in Hugging Face layout) for every tensor, one at a time."""
+        from gguf.quants import dequantize
+
+        for tensor in self._reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if tensor.tensor_type.name in _PLAIN_TYPES:
+                weight = np.array(tensor.data, dtype=np.float32)  # a copy: the memory map is read-only
+            else:
+                weight = dequantize(tensor.data, tensor.tensor_type)
+            # numpy's shape is ggml's reversed, which is already PyTorch's (out, in) order.
+            weight = weight.reshape([int(n) for n in reversed(tensor.shape)])
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                weight = unpermute_rotary_rows(weight, num_heads)
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                weight = unpermute_rotary_rows(weight, num_kv_heads)
+            yield name, weight
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    base, _, param = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{param}"
+    if base in _MODEL_TENSORS:
+        return f"{_MODEL_TENSORS[base]}.{param}"
+    raise GGUFError(f"model: GGUF tensor {gguf_name!r} has no counterpart in kvpilot's Llama model")
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order.
+
+    Hugging Face rotates each head's first half against its second half; llama.cpp rotates adjacent
+    pairs, so its converter interleaves the two halves of every head's rows. This puts them back.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
