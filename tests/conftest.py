@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny checkpoints are built once and shared by every test."""
+"""Session-wide fixtures: tiny checkpoints are built once and shared by every test; the real model
+(SmolLM2-135M-Instruct, GGUF) is fetched once per checkout into .cache/."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _make(tmp_path_factory, "tiny-llama3-rope", arch="llama", llama3_rope_scaling=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from kvpilot.runtime.models.default_model import ensure_default_model
+
+    return ensure_default_model(Path(__file__).parents[1] / ".cache" / "kvpilot")
 
 
 def _make(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any) -> Path:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI, Request
@@ -48,10 +48,12 @@ class ServerConfig:
     # None: /admin/* answers 404.
     admin_token: AdminToken | None = None
     trust_tenant_header: bool = False
+    # Request defaults from the model's generation_config.json (--generation-config).
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> FastAPI:
-    serving = Serving(engine, config.served_model_name, config.tenants)
+    serving = Serving(engine, config.served_model_name, config.tenants, config.sampling_defaults)
     template = ChatTemplate(engine.tokenizer_config)
     metrics = ServerMetrics(config.served_model_name, engine.block_size, engine.num_kv_blocks,
                             http_requests_in_flight=lambda: state.in_flight)
@@ -103,6 +105,8 @@ def _openai_routes(serving: Serving, template: ChatTemplate) -> APIRouter:
         return {"object": "list", "data": [{
             "id": serving.model_name, "object": "model", "created": created, "owned_by": "kvpilot",
             "root": engine.model_dir, "max_model_len": engine.max_model_len,
+            # Where a request leaves a sampling field out, this is what it gets instead of OpenAI's default.
+            "sampling_defaults": config.sampling_defaults,
         }]}
 
     return router

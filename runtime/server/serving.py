@@ -26,6 +26,7 @@ from kvpilot.runtime.engine.async_llm import AsyncLLM
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
+from kvpilot.runtime.models.generation_config import SAMPLING_KEYS
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.server.errors import APIError, bad_request
 from kvpilot.runtime.server.protocol import GenerationRequest, Usage
@@ -117,10 +118,18 @@ def engine_dead_error(err: EngineDeadError) -> APIError:
 
 
 class Serving:
-    def __init__(self, engine: AsyncLLM, model_name: str, tenants: TenantRegistry | None) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, tenants: TenantRegistry | None,
+                 sampling_defaults: dict | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tenants = tenants
+        # The model's generation config: it replaces OpenAI's defaults, never a field the client set.
+        self.sampling_defaults = sampling_defaults or {}
+
+    def _sampling_field(self, body: GenerationRequest, name: str):
+        if name in body.model_fields_set or name not in self.sampling_defaults:
+            return getattr(body, name)
+        return self.sampling_defaults[name]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -146,8 +155,8 @@ class Serving:
                               "max_tokens")
         try:
             params = SamplingParams(
-                n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings,
+                n=body.n, max_tokens=max_tokens, **{name: self._sampling_field(body, name) for name in SAMPLING_KEYS},
+                seed=body.seed, stop=body.stop_strings,
                 stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
             )

@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from kvpilot.runtime import cli
-from kvpilot.runtime.server import demo_model
 
 from server_harness import HTTP_TIMEOUT_S, start_server
 
@@ -71,32 +70,3 @@ def test_the_console_script_and_python_m_both_run_the_cli():
     result = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--help"], capture_output=True,
                             text=True, timeout=120, env={"PATH": ""})
     assert result.returncode == 0 and "--served-model-name" in result.stdout
-
-
-def _readme_examples() -> tuple[str, str]:
-    """The README's curl request body and its openai client snippet."""
-    readme = (Path(__file__).parents[3] / "README.md").read_text()
-    serving = readme[readme.index("## Serving"):]
-    curl = re.search(r"-d '(\{.*?\})'", serving).group(1)
-    snippet = re.search(r"```python\n(.*?)```", serving, re.S).group(1)
-    return curl, snippet
-
-
-def test_without_model_dir_the_demo_model_is_built_once_and_the_readme_examples_work(tmp_path, capsys):
-    cache = tmp_path / "cache"
-    server = start_server(None, tmp_path, env={"XDG_CACHE_HOME": str(cache)})
-    try:
-        curl_body, snippet = _readme_examples()
-        response = httpx.post(f"{server.base_url}/v1/completions", json=json.loads(curl_body), timeout=HTTP_TIMEOUT_S)
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 16
-        exec(snippet.replace("http://127.0.0.1:8000", server.base_url), {})
-        assert capsys.readouterr().out.endswith("\n")  # it got as far as printing the reply
-    finally:
-        server.stop()
-    built = cache / "kvpilot" / "tiny-llama"
-    assert [p.name for p in built.parent.iterdir()] == ["tiny-llama"]  # no scratch folder left behind
-    stamp = (built / "model.safetensors").stat().st_mtime_ns
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(cache))
-        assert demo_model.ensure_demo_model() == built
-    assert (built / "model.safetensors").stat().st_mtime_ns == stamp

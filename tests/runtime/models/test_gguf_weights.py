@@ -1,0 +1,99 @@
+"""GGUF weights: every quantization type dequantizes as gguf's reference does, in the layout the
+model expects, and llama.cpp's Q/K row order is undone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from gguf_files import write_gguf
+from kvpilot.runtime.config import ModelConfig
+from kvpilot.runtime.models.gguf_checkpoint import GGUFCheckpoint, unpermute_rotary_rows
+from kvpilot.runtime.models.loader import iterate_gguf
+
+ROWS, COLS = 8, 512  # two K-quant super-blocks per row
+# Types gguf can also quantize: checked against the float data they came from too.
+QUANTIZABLE = {Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q5_0: 7e-2, Q.Q5_1: 7e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.15}
+# K-quants gguf only dequantizes: random blocks with a sane float16 scale at the given offsets.
+K_QUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q6_K: (208,)}
+
+
+def _random_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(ROWS, COLS // block_elems, block_bytes), dtype=np.uint8)
+    for offset in K_QUANT_SCALE_OFFSETS[qtype]:
+        blocks[:, :, offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    return blocks.reshape(ROWS, -1)
+
+
+def _stored(qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
+    """(what the file holds, the float data it was made from, if any)."""
+    original = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    if qtype == Q.F32:
+        return original, original
+    if qtype == Q.F16:
+        return original.astype(np.float16), original
+    if qtype in QUANTIZABLE:
+        return quantize(original, qtype), original
+    return _random_blocks(qtype, rng), None
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, *QUANTIZABLE, *K_QUANT_SCALE_OFFSETS], ids=lambda q: q.name)
+def test_each_type_dequantizes_as_ggufs_reference(tmp_path, qtype):
+    stored, original = _stored(qtype, np.random.default_rng(int(qtype)))
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.ffn_up.weight": (stored, qtype)})
+    [(name, weight)] = GGUFCheckpoint(path).iterate_weights(num_heads=1, num_kv_heads=1)
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    assert weight.shape == (ROWS, COLS) and weight.dtype == np.float32
+    reference = stored.astype(np.float32) if qtype in (Q.F32, Q.F16) else dequantize(stored, qtype)
+    np.testing.assert_array_equal(weight, reference)
+    assert np.isfinite(weight).all() and np.abs(weight).max() > 0
+    if original is not None:
+        # Not transposed or scrambled: the values are the ones that went in, up to the type's error.
+        assert np.abs(weight - original).max() <= QUANTIZABLE.get(qtype, 1e-3) * np.abs(original).max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_gets_full_tensors_it_casts_to_its_dtype(tmp_path, dtype):
+    data = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.ffn_up.weight": (quantize(data, Q.Q8_0), Q.Q8_0)})
+    config = ModelConfig(path=str(path), architecture="LlamaForCausalLM", vocab_size=1, hidden_size=COLS,
+                         intermediate_size=ROWS, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                         head_dim=COLS, max_position_embeddings=1, rms_norm_eps=1e-6, rope_theta=1e4,
+                         rope_scaling=None, tie_word_embeddings=True, attention_bias=False, eos_token_ids=[],
+                         dtype=dtype)
+    [(_, tensor)] = iterate_gguf(config)
+    expected = torch.from_numpy(dequantize(quantize(data, Q.Q8_0), Q.Q8_0))
+    assert torch.equal(tensor.to(config.torch_dtype), expected.to(config.torch_dtype))
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows: each head's two halves, interleaved."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("num_heads, head_dim", [(1, 4), (3, 64), (9, 8)])
+def test_the_rotary_row_permutation_round_trips(num_heads, head_dim):
+    weight = np.random.default_rng(num_heads).standard_normal((num_heads * head_dim, 5)).astype(np.float32)
+    permuted = _llama_cpp_permute(weight, num_heads)
+    assert not np.array_equal(permuted, weight)
+    np.testing.assert_array_equal(unpermute_rotary_rows(permuted, num_heads), weight)
+    bias = np.arange(num_heads * head_dim, dtype=np.float32)
+    np.testing.assert_array_equal(unpermute_rotary_rows(_llama_cpp_permute(bias, num_heads), num_heads), bias)
+
+
+def test_rotating_pairs_of_permuted_rows_is_rotating_halves_of_the_originals():
+    """Why the permutation exists: llama.cpp's pairwise rotary on its rows equals Hugging Face's
+    half-split rotary on the unpermuted rows."""
+    head_dim, angle = 8, np.linspace(0.1, 0.9, 4)
+    q = np.random.default_rng(0).standard_normal(head_dim)
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2 = q[: head_dim // 2], q[head_dim // 2:]
+    hf = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
+    p = _llama_cpp_permute(q[:, None], 1)[:, 0]
+    pairs = np.stack([p[0::2] * cos - p[1::2] * sin, p[1::2] * cos + p[0::2] * sin], axis=1).reshape(-1)
+    np.testing.assert_allclose(unpermute_rotary_rows(pairs[:, None], 1)[:, 0], hf)
