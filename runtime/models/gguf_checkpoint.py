@@ -16,6 +16,9 @@ import numpy as np
 
 # general.architecture -> the engine's model class; Mistral files say "llama" too.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# The architectures whose q/k rows llama.cpp's converter reorders for its pairwise ("normal") rotary;
+# qwen2 runs the half-split ("neox") rotary that Hugging Face uses, so its rows are stored as they are.
+_PERMUTED_QK = ("llama",)
 # Stored unquantized; every other type must be one gguf's dequantizer knows.
 _PLAIN_TYPES = ("F32", "F16")
 
@@ -147,9 +150,9 @@ class GGUFCheckpoint:
                 weight = dequantize(tensor.data, tensor.tensor_type)
             # numpy's shape is ggml's reversed, which is already PyTorch's (out, in) order.
             weight = weight.reshape([int(n) for n in reversed(tensor.shape)])
-            if name.endswith(("q_proj.weight", "q_proj.bias")):
+            if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary_rows(weight, num_heads)
-            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            elif self.arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = unpermute_rotary_rows(weight, num_kv_heads)
             yield name, weight
 

@@ -86,6 +86,23 @@ def test_the_rotary_row_permutation_round_trips(num_heads, head_dim):
     np.testing.assert_array_equal(unpermute_rotary_rows(_llama_cpp_permute(bias, num_heads), num_heads), bias)
 
 
+@pytest.mark.parametrize("arch, permuted", [("llama", True), ("qwen2", False)])
+def test_q_and_k_rows_are_reordered_only_where_llama_cpp_permuted_them(tmp_path, arch, permuted):
+    heads, kv_heads, head_dim = 3, 1, 4
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((heads * head_dim, 8)).astype(np.float32)
+    k = rng.standard_normal((kv_heads * head_dim, 8)).astype(np.float32)
+    v = rng.standard_normal((kv_heads * head_dim, 8)).astype(np.float32)
+    stored = {"q": _llama_cpp_permute(q, heads), "k": _llama_cpp_permute(k, kv_heads)} if permuted else {"q": q, "k": k}
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.attn_q.weight": (stored["q"], Q.F32),
+                                            "blk.0.attn_k.weight": (stored["k"], Q.F32),
+                                            "blk.0.attn_v.weight": (v, Q.F32)}, arch=arch)
+    weights = dict(GGUFCheckpoint(path).iterate_weights(heads, kv_heads))
+    np.testing.assert_array_equal(weights["model.layers.0.self_attn.q_proj.weight"], q)
+    np.testing.assert_array_equal(weights["model.layers.0.self_attn.k_proj.weight"], k)
+    np.testing.assert_array_equal(weights["model.layers.0.self_attn.v_proj.weight"], v)
+
+
 def test_rotating_pairs_of_permuted_rows_is_rotating_halves_of_the_originals():
     """Why the permutation exists: llama.cpp's pairwise rotary on its rows equals Hugging Face's
     half-split rotary on the unpermuted rows."""
