@@ -43,7 +43,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvpilot
 COPY --from=runtime-build /opt/kvpilot /opt/kvpilot
-# Caches (the demo model, tokenizer files) go to a writable volume: the root filesystem is read-only.
+# Caches (the default model, fetched by pip on first use) go to a writable volume: the root filesystem is read-only.
 ENV PATH=/opt/kvpilot/bin:$PATH \
     XDG_CACHE_HOME=/var/cache/kvpilot \
     HF_HUB_OFFLINE=1

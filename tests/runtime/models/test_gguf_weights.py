@@ -11,21 +11,28 @@ from gguf.quants import dequantize, quantize
 
 from gguf_files import write_gguf
 from kvpilot.runtime.config import ModelConfig
-from kvpilot.runtime.models.gguf_checkpoint import GGUFCheckpoint, unpermute_rotary_rows
+from kvpilot.runtime.models.gguf_checkpoint import GGUFCheckpoint, supported_quantization_types, unpermute_rotary_rows
 from kvpilot.runtime.models.loader import iterate_gguf
 
 ROWS, COLS = 8, 512  # two K-quant super-blocks per row
 # Types gguf can also quantize: checked against the float data they came from too.
 QUANTIZABLE = {Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q5_0: 7e-2, Q.Q5_1: 7e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.15}
-# K-quants gguf only dequantizes: random blocks with a sane float16 scale at the given offsets.
-K_QUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q6_K: (208,)}
+# The rest gguf only dequantizes: random blocks, with a sane float16 scale at the byte offsets where
+# the block keeps one (elsewhere a random scale may decode to inf or NaN, which must come out the same).
+SCALE_OFFSETS = {
+    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q6_K: (208,), Q.TQ1_0: (52,), Q.TQ2_0: (64,),
+    **{qtype: (0,) for qtype in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ4_NL, Q.IQ4_XS)},
+}
+ALL_TYPES = [Q[name] for name in supported_quantization_types()]
 
 
 def _random_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
     block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(ROWS, COLS // block_elems, block_bytes), dtype=np.uint8)
-    for offset in K_QUANT_SCALE_OFFSETS[qtype]:
+    for offset in SCALE_OFFSETS.get(qtype, ()):
         blocks[:, :, offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    if qtype == Q.MXFP4:
+        blocks[:, :, 0] = 125  # its scale: a power-of-two exponent byte, 2**(125 - 127)
     return blocks.reshape(ROWS, -1)
 
 
@@ -41,7 +48,11 @@ def _stored(qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray 
     return _random_blocks(qtype, rng), None
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, *QUANTIZABLE, *K_QUANT_SCALE_OFFSETS], ids=lambda q: q.name)
+def test_the_supported_types_include_the_common_ones():
+    assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K} <= set(ALL_TYPES)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_each_type_dequantizes_as_ggufs_reference(tmp_path, qtype):
     stored, original = _stored(qtype, np.random.default_rng(int(qtype)))
     path = write_gguf(tmp_path / "m.gguf", {"blk.0.ffn_up.weight": (stored, qtype)})
@@ -50,7 +61,9 @@ def test_each_type_dequantizes_as_ggufs_reference(tmp_path, qtype):
     assert weight.shape == (ROWS, COLS) and weight.dtype == np.float32
     reference = stored.astype(np.float32) if qtype in (Q.F32, Q.F16) else dequantize(stored, qtype)
     np.testing.assert_array_equal(weight, reference)
-    assert np.isfinite(weight).all() and np.abs(weight).max() > 0
+    assert np.abs(np.nan_to_num(weight)).max() > 0
+    if original is not None or qtype in SCALE_OFFSETS or qtype == Q.MXFP4:
+        assert np.isfinite(weight).all()
     if original is not None:
         # Not transposed or scrambled: the values are the ones that went in, up to the type's error.
         assert np.abs(weight - original).max() <= QUANTIZABLE.get(qtype, 1e-3) * np.abs(original).max()
