@@ -46,11 +46,11 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint) -> tuple[Tokenizer, dict]:
     # A control token spelled outside the byte alphabet is a mislabel that transformers skips too.
     tokenizer.add_special_tokens([
         AddedToken(token, normalized=False, special=True)
-        for token, kind in zip(tokens, token_types) if kind == _CONTROL and set(token) <= alphabet
+        for token, token_type in zip(tokens, token_types) if token_type == _CONTROL and set(token) <= alphabet
     ])
     tokenizer.add_tokens([
         AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED and token in vocab
+        for token, token_type in zip(tokens, token_types) if token_type == _USER_DEFINED and token in vocab
     ])
     special = {name: _token(tokens, checkpoint.metadata(f"tokenizer.ggml.{key}")) for name, key in _SPECIAL_TOKENS.items()}
     tokenizer.post_processor = _post_processor(checkpoint, tokens, special)
@@ -59,12 +59,12 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint) -> tuple[Tokenizer, dict]:
 
 
 def _post_processor(checkpoint: GGUFCheckpoint, tokens: list[str], special: dict) -> processors.TemplateProcessing:
+    """BOS before and EOS after each sequence, where the file asks for them (llama.cpp's add_*_token)."""
     bos = special["bos_token"] if checkpoint.metadata("tokenizer.ggml.add_bos_token", False) else None
     eos = special["eos_token"] if checkpoint.metadata("tokenizer.ggml.add_eos_token", False) else None
-    wrap = [t for t in (bos,) if t] + ["$A"] + [t for t in (eos,) if t]
-    ids = {token: tokens.index(token) for token in (bos, eos) if token}
-    return processors.TemplateProcessing(single=" ".join(wrap), pair=" ".join(wrap + ["$B:1"]),
-                                         special_tokens=list(ids.items()))
+    single = " ".join(t for t in (bos, "$A", eos) if t)
+    return processors.TemplateProcessing(single=single, pair=f"{single} $B:1",
+                                         special_tokens=[(t, tokens.index(t)) for t in (bos, eos) if t])
 
 
 def _token(tokens: list[str], token_id: int | None) -> str | None:

@@ -68,3 +68,37 @@ def test_the_api_process_builds_it_without_torch(smollm2_gguf, tmp_path):
     code = ("import sys; from kvpilot.runtime.models.tokenizer_loader import load_tokenizer; "
             f"load_tokenizer({str(smollm2_gguf)!r}); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, timeout=120).returncode == 0
+
+
+def test_a_small_vocabulary_with_bos_and_user_defined_tokens_matches_transformers(tmp_path):
+    """The paths SmolLM2 does not take: add_bos_token, a USER_DEFINED token, a mislabeled control token."""
+    from gguf import GGUFWriter
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
+    tokens = ["<s>", "</s>", "<think>", "<ctl ü>", *alphabet, "Ġt", "he", "Ġthe", "Ġa"]
+    types = [3, 3, 4, 3] + [1] * (len(tokens) - 4)
+    path = tmp_path / "tok.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, config = load_tokenizer(str(path))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the cat", " the <think> a", "<s>he</s>", "ünï the", "<ctl ü>"]:
+        ids = ours.encode(text, add_special_tokens=True).ids
+        assert ids == theirs.encode(text), text
+        assert ids[0] == 0
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    assert (config["bos_token"], config["eos_token"]) == ("<s>", "</s>")
