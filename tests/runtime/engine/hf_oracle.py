@@ -18,17 +18,16 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int, prefix: list[
 class HFOracle:
     """Greedy continuations and raw logits from transformers, memoised per prompt."""
 
-    def __init__(self, model_dir: str, new_tokens: int = NEW_TOKENS, **load_kwargs) -> None:
+    def __init__(self, model_dir: str, **load_kwargs) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
-        self.new_tokens = new_tokens
         self._cache: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
 
     def greedy(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-        """Returns (new token ids, logits [new_tokens, vocab]); EOS does not stop it (eos_token_id=[])."""
+        """Returns (new token ids, logits [NEW_TOKENS, vocab]); EOS does not stop it (eos_token_id=[])."""
         key = tuple(prompt)
         if key not in self._cache:
             config = GenerationConfig(
-                max_new_tokens=self.new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0,
+                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0,
                 output_logits=True, return_dict_in_generate=True,
             )
             input_ids = torch.tensor([prompt])
