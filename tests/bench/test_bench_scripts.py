@@ -14,6 +14,7 @@ TINY_ARGS = {
     "serving_throughput.py": ["--num-requests", "2", "--max-tokens", "2"],
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
     "kernels.py": ["--tiny"],
+    "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
 }
 MODEL_FREE = {"kernels.py"}
 
