@@ -106,7 +106,7 @@ def _openai_routes(serving: Serving, template: ChatTemplate) -> APIRouter:
             "id": serving.model_name, "object": "model", "created": created, "owned_by": "kvpilot",
             "root": engine.model_dir, "max_model_len": engine.max_model_len,
             # Where a request leaves a sampling field out, this is what it gets instead of OpenAI's default.
-            "sampling_defaults": config.sampling_defaults,
+            "sampling_defaults": serving.sampling_defaults,
         }]}
 
     return router
