@@ -119,6 +119,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Checked after every sampled token: a set, so that a long list costs nothing per token.
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
 
         # Tokens this request may produce at most: max_tokens, bounded by the model length.
         limit = sampling_params.max_tokens

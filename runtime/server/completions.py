@@ -27,7 +27,7 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
         if not body.prompt:
             # Not left to the tokenizer: the BOS it adds would make an empty prompt look non-empty.
             raise bad_request("prompt is empty: it must have at least one character", "prompt")
-        prompt_token_ids = serving.engine.encode(body.prompt, add_special_tokens=True)
+        prompt_token_ids = await serving.prompt_token_ids(body.prompt, add_special_tokens=True, param="prompt")
     else:
         prompt_token_ids = list(body.prompt)
     request_id = new_request_id("cmpl")

@@ -1,22 +1,24 @@
 """The OpenAI (and vLLM-extension) request and response bodies, as pydantic models.
 
-Unknown request fields are ignored, as OpenAI's API and vLLM do. Range checks that need a
-second field or the model (min_tokens <= max_tokens, prompt + max_tokens <= max_model_len) are
-made later, in `serving.py`, where the numbers are known.
+Unknown request fields are ignored, as OpenAI's API and vLLM do; known fields the server cannot
+honour are refused, never silently dropped. Types are strict: `"5"` or `true` is no number, and
+no float is infinite. Range checks that need a second field, the model or the server's limits
+(min_tokens <= max_tokens, prompt + max_tokens <= max_model_len, --max-n) are made later, in
+`serving.py`, where the numbers are known.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from kvpilot.runtime.config import SchedulingPolicy
 
 # vLLM's cap on logprobs; the engine enforces it too.
 MAX_LOGPROBS = 20
-# More choices than this per request is a mistake or an abuse, never a use case.
-MAX_N = 128
+# The roles chat templates are written for (OpenAI's, with its newer "developer").
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Integers cross to the engine as 64-bit (msgpack, torch); anything larger is refused here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -26,6 +28,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 class RequestBody(BaseModel):
     """A request body; its text must be encodable, which JSON's "\\ud800" escapes are not."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -48,7 +52,7 @@ def _check_unicode(value) -> None:
             _check_unicode(item)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
@@ -56,7 +60,8 @@ class GenerationRequest(RequestBody):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    # Bounded by the server's --max-n.
+    n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     # 0 or -1 disable top-k, as in vLLM.
@@ -76,6 +81,17 @@ class GenerationRequest(RequestBody):
     priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     # Prefix-cache isolation; combined with (never replacing) the tenant's own salt.
     cache_salt: str | None = Field(None, min_length=1)
+    # Known to OpenAI's API or vLLM's, and not supported here: refused rather than ignored.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        for name in ("logit_bias", "best_of", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -115,6 +131,7 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -135,14 +152,21 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("echo is not supported")
         return echo
 
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix is not None:
+            raise ValueError("suffix is not supported")
+        return suffix
 
-class TextPart(BaseModel):
+
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    role: str = Field(min_length=1)
+class ChatMessage(RequestBody):
+    role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -1,4 +1,4 @@
-"""Tenants: who may call the server, at which engine priority, and how many requests at once.
+"""Tenants: who may call the server, at which engine priority, and how many sequences at once.
 
 The tenants file is YAML or JSON (the operator renders it from the InferenceEngine resource):
 
@@ -7,7 +7,7 @@ The tenants file is YAML or JSON (the operator renders it from the InferenceEngi
       apiKeys: ["sk-a-1"]            # inline keys, and/or
       apiKeyFiles: [keys/team-a]     # files holding one key each (Secret volumes); relative
                                      # paths are relative to the tenants file's folder
-      maxConcurrentRequests: 8       # absent or null: unlimited
+      maxConcurrentRequests: 8       # sequences in flight (n per request); absent or null: unlimited
       allowRequestPriority: false    # true: a request's own `priority` field wins when given
 
 A mapping `{tenants: [...]}` is accepted as well as the bare list. Unknown fields are errors, so
@@ -199,17 +199,21 @@ class TenantRegistry:
 
     # -- concurrency -----------------------------------------------------------------------------
 
-    def try_admit(self, tenant: Tenant) -> bool:
-        # The limit of the current config applies, even to a Tenant looked up before a reload.
-        current = self._by_name.get(tenant.name, tenant)
+    def limit(self, tenant: Tenant) -> int | None:
+        """The tenant's sequence limit; the current config's, even for a Tenant looked up before a reload."""
+        return self._by_name.get(tenant.name, tenant).max_concurrent_requests
+
+    def try_admit(self, tenant: Tenant, sequences: int = 1) -> bool:
+        """Take `sequences` of the tenant's limit (each of a request's n choices is one)."""
+        limit = self.limit(tenant)
         active = self._active.get(tenant.name, 0)
-        if current.max_concurrent_requests is not None and active >= current.max_concurrent_requests:
+        if limit is not None and active + sequences > limit:
             return False
-        self._active[tenant.name] = active + 1
+        self._active[tenant.name] = active + sequences
         return True
 
-    def release(self, tenant: Tenant) -> None:
-        remaining = self._active[tenant.name] - 1
+    def release(self, tenant: Tenant, sequences: int = 1) -> None:
+        remaining = self._active[tenant.name] - sequences
         if remaining:
             self._active[tenant.name] = remaining
         else:
