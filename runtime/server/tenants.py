@@ -8,7 +8,8 @@ The tenants file is YAML or JSON (the operator renders it from the InferenceEngi
       apiKeyFiles: [keys/team-a]     # files holding one key each (Secret volumes); relative
                                      # paths are relative to the tenants file's folder
       maxConcurrentRequests: 8       # sequences in flight (n per request); absent or null: unlimited
-      allowRequestPriority: false    # true: a request's own `priority` field wins when given
+      allowRequestPriority: false    # true: a request's own `priority` field wins when given, clamped
+                                     # to [priority, +inf): never sooner than the tenant's own
 
 A mapping `{tenants: [...]}` is accepted as well as the bare list. Unknown fields are errors, so
 that a typo never silently lifts a limit.
@@ -50,8 +51,9 @@ class Tenant:
     allow_request_priority: bool = False
 
     def engine_priority(self, requested: int | None) -> int:
+        """A request may ask to run later than its tenant's priority, never sooner (lower is sooner)."""
         if self.allow_request_priority and requested is not None:
-            return requested
+            return max(requested, self.priority)
         return self.priority
 
 
@@ -74,7 +76,8 @@ def parse_tenants(text: str, path: Path) -> TenantsConfig:
     try:
         document = yaml.safe_load(text)  # YAML is a superset of JSON
     except yaml.YAMLError as err:
-        raise TenantsFileError(f"{path}: not valid YAML or JSON: {err}") from err
+        # Not str(err): it quotes the offending line, which may hold an inline API key.
+        raise TenantsFileError(f"{path}: not valid YAML or JSON{_where(err)}") from None
     if isinstance(document, dict) and set(document) == {"tenants"}:
         document = document["tenants"]
     if not isinstance(document, list):
@@ -86,6 +89,11 @@ def parse_tenants(text: str, path: Path) -> TenantsConfig:
         files.extend(key_files)
     _check_unique(tenants, path)
     return TenantsConfig(tuple(tenants), tuple(files))
+
+
+def _where(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    return "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def _parse_tenant(entry, where: str, base_dir: Path) -> tuple[Tenant, list[Path]]:

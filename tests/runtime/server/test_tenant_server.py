@@ -163,10 +163,11 @@ def test_tenant_priority_decides_who_runs_first(tenant_server, policy):
     queued = [
         (_tenant("bronze"), {}),                  # tenant priority 10
         (_tenant("gold"), {"priority": 100}),     # 0: gold may not set its own priority
-        (_tenant("flex"), {"priority": -5}),      # -5: flex may
+        (_tenant("flex"), {"priority": 20}),      # 20: flex may run later than its own 5
         (_tenant("flex"), {}),                    # 5: flex's own default
+        (_tenant("flex"), {"priority": -2**63}),  # 5: but never sooner
     ]
-    assert asyncio.run(_start_order(tenant_server.base_url, queued)) == [2, 1, 3, 0]
+    assert asyncio.run(_start_order(tenant_server.base_url, queued)) == [1, 3, 4, 0, 2]
 
 
 def test_policy_switch_under_load_reorders_the_queue_and_loses_nothing(tenant_server, http, policy):
