@@ -9,12 +9,13 @@ sequences and the in-flight count are released when the last byte is sent or the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.runtime.server.auth import Authenticator
-from kvpilot.runtime.server.errors import APIError, bad_request
+from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.state import ServerState
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 
@@ -77,11 +78,14 @@ class AdmissionMiddleware:
         sequences = TenantSequences(self.tenants, tenant)
         # Routes read them as request.state.tenant and request.state.sequences.
         scope.setdefault("state", {}).update(tenant=tenant, sequences=sequences)
-        response_started = False
+        response_started = streaming = False
 
         async def tracking_send(message: Message) -> None:
-            nonlocal response_started
-            response_started = True
+            nonlocal response_started, streaming
+            if message["type"] == "http.response.start":
+                response_started = True
+                streaming = Headers(raw=message.get("headers", [])).get("content-type", "").startswith(
+                    "text/event-stream")
             await send(message)
 
         self.state.request_started()
@@ -90,12 +94,15 @@ class AdmissionMiddleware:
         except asyncio.CancelledError:
             if not self.state.aborting:
                 raise
-            # The drain's own cancellation, past --shutdown-timeout: answer it if we still can
-            # (a stream already under way just ends, without its [DONE]).
+            # The drain's own cancellation, past --shutdown-timeout: answer it if we still can.
             asyncio.current_task().uncancel()
+            error = APIError(503, "the server shut down before this request finished", code="shutting_down")
             if not response_started:
-                error = APIError(503, "the server shut down before this request finished", code="shutting_down")
                 await error.response()(scope, receive, send)
+            elif streaming:
+                # A stream ends with an error event, so the client knows its answer is cut short.
+                with contextlib.suppress(RuntimeError, OSError):
+                    await send({"type": "http.response.body", "body": sse_error(error).encode(), "more_body": False})
         finally:
             self.state.request_finished()
             sequences.release()

@@ -6,6 +6,7 @@ this shape; a 500 only ever means a bug in the server.
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 
@@ -48,6 +49,11 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def sse_error(error: APIError) -> str:
+    """The error as a server-sent event, for a stream that cannot end as it should."""
+    return f"data: {json.dumps(error.body())}\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

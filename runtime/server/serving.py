@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
-from kvpilot.runtime.server.errors import APIError, bad_request
+from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.limits import ServerLimits
 from kvpilot.runtime.server.protocol import ChatMessage, GenerationRequest, Usage
 from kvpilot.runtime.server.streaming import StallingStreamingResponse
@@ -256,15 +255,15 @@ class Serving:
                     usage.add(output)
                     yield _sse(response_format.chunk(output))
         except ValueError as err:
-            yield _sse_error(bad_request(str(err)))
+            yield sse_error(bad_request(str(err)))
             return
         except EngineDeadError as err:
             # An error event, then the stream ends without [DONE]: the answer is incomplete.
-            yield _sse_error(engine_dead_error(err))
+            yield sse_error(engine_dead_error(err))
             return
         except SlowConsumerError as err:
             self.on_slow_client()
-            yield _sse_error(APIError(429, str(err), code="client_too_slow"))
+            yield sse_error(APIError(429, str(err), code="client_too_slow"))
             return
         if include_usage:
             yield _sse(response_format.usage_chunk(usage.usage()))
@@ -273,10 +272,6 @@ class Serving:
 
 def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
-
-
-def _sse_error(error: APIError) -> str:
-    return f"data: {json.dumps(error.body())}\n\n"
 
 
 async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T | None:
