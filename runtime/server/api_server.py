@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -126,14 +127,16 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
     tokenizers = serving.tokenizers
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
         if body.prompt is not None:
             tokens = await tokenizers.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             tokens = await serving.chat_prompt_token_ids(template, body.messages,
                                                          add_generation_prompt=body.add_generation_prompt)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        # Encoded on the pool too: a long token list is slow to turn into JSON.
+        answer = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        return Response(await tokenizers.run(msgspec.json.encode, answer), media_type="application/json")
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

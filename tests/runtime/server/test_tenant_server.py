@@ -62,10 +62,14 @@ def test_v1_routes_need_a_valid_key(http):
     assert_openai_error(http.get("/v1/no-such-route"), 401)
     for key in [SERVER_API_KEY, *TENANT_KEYS.values()]:
         assert http.post("/v1/completions", json=SMALL, headers=_auth(key)).status_code == 200, key
-    # Outside /v1 nothing asks for a key (as in vLLM): probes, scrapes and tokenization.
+    # Only probes and scrapes need no key; tokenization costs work, so it does.
     for path in ["/health", "/metrics", "/version"]:
         assert http.get(path).status_code == 200
-    assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
+    for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
+        assert_openai_error(http.post(path, json=body), 401, code="invalid_api_key")
+        assert http.post(path, json=body, headers=_tenant("gold")).status_code == 200
+    assert_openai_error(http.get("/openapi.json"), 401)
+    assert_openai_error(http.get("/no-such-route"), 401)
 
 
 def test_a_trusted_header_names_the_tenant_but_the_server_key_is_still_required(tenant_server, http):
