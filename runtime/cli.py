@@ -200,6 +200,8 @@ _LIMIT_FLAGS = {
                                "abort a stream whose client has read nothing for this long"),
     "max_buffered_outputs": ("--max-buffered-outputs", "N",
                              "abort a stream that has this many deltas waiting for its client"),
+    "socket_send_buffer_bytes": ("--socket-send-buffer-bytes", "BYTES",
+                                 "kernel send buffer per connection (what a client that stops reading can pin)"),
     "tokenizer_pool_size": ("--tokenizer-pool-size", "N",
                             "threads that tokenize, render chat templates and detokenize"),
     "timeout_keep_alive_s": ("--timeout-keep-alive", "SECONDS", "close a keep-alive connection idle this long"),

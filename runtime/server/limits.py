@@ -28,6 +28,9 @@ class ServerLimits:
     stream_stall_timeout_s: float = 30.0
     # Deltas buffered per request for a client that is not reading; past it the request is aborted.
     max_buffered_outputs: int = 4096
+    # The kernel's send buffer per connection (Linux lets it grow to 4 MiB for a client that does
+    # not read). 256 KiB is a thousand token events, and more than a 100 ms, 10 Mbit/s link holds.
+    socket_send_buffer_bytes: int = 256 * 1024
     # Threads that tokenize, render chat templates and detokenize, off the event loop.
     tokenizer_pool_size: int = 2
     # uvicorn: idle time allowed between the requests of a keep-alive connection.

@@ -3,7 +3,7 @@
 uvicorn applies TCP flow control: once the client's window and the socket buffers are full, a
 send waits until the client reads. A send that waits longer than the stall timeout ends the
 stream: the event generator is closed, which aborts the request in the engine, frees its KV
-blocks and, when the response ends, releases its tenant's sequences.
+blocks and, when the response ends, releases its tenant's sequences; the connection is dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import logging
 from collections.abc import Callable
 
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from kvpilot.runtime.server.connections import ABORT_CONNECTION
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,11 @@ class StallingStreamingResponse(StreamingResponse):
         super().__init__(content, **kwargs)
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall
+        self._abort_connection: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._abort_connection = scope.get("extensions", {}).get(ABORT_CONNECTION)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
         async def bounded_send(message: Message) -> None:
@@ -42,4 +49,5 @@ class StallingStreamingResponse(StreamingResponse):
             self.on_stall()
             # Closing the generator aborts the request in the engine (its aclosing block).
             await self.body_iterator.aclose()
-            # The response stays unfinished: uvicorn closes the connection.
+            if self._abort_connection is not None:
+                self._abort_connection()

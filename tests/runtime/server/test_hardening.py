@@ -64,6 +64,7 @@ def server(tiny_llama_dir, tenants_file, tmp_path_factory):
         "--admin-token-file", str(tenants_file.parent / "admin-token"),
         "--max-n", "4", "--max-stop-strings", "4", "--max-stop-string-length", "16", "--max-stop-token-ids", "8",
         "--stream-stall-timeout", str(STALL_TIMEOUT_S), "--max-buffered-outputs", "64",
+        "--socket-send-buffer-bytes", "8192",
         "--header-timeout", str(HEADER_TIMEOUT_S), "--timeout-keep-alive", "2",
         "--max-connections", str(MAX_CONNECTIONS),
     )
@@ -204,13 +205,17 @@ def test_n_is_bounded_and_counted_as_sequences_against_the_tenant(server, http):
 
 def test_a_client_that_stops_reading_is_aborted_and_frees_its_sequences(server, http):
     before = server.metric("kvpilot:slow_client_aborts_total")
-    body = json.dumps({"prompt": "never read", "max_tokens": 1500, "ignore_eos": True, "stream": True, "n": 2})
+    # Logprobs make each event large, so that few tokens fill the (small) socket buffers.
+    body = json.dumps({"prompt": "never read", "max_tokens": 1500, "ignore_eos": True, "stream": True, "n": 2,
+                       "logprobs": 20})
     sock = _connect(server, rcvbuf=4096)
     sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   f"Authorization: Bearer {KEYS['alpha']}\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     try:
-        wait_until(lambda: server.metric("kvpilot:slow_client_aborts_total") == before + 1, timeout=WAIT_S,
+        wait_until(lambda: server.metric("kvpilot:slow_client_aborts_total") == before + 1, timeout=2 * WAIT_S,
                    interval=0.2, what="the stalled stream to be aborted")
+        # The server hung up on it, instead of waiting forever for its buffer to drain.
+        assert _closed_by_server(sock, WAIT_S)
         # The engine stopped working for it, and alpha's two sequences are free again.
         wait_until(lambda: server.metric("vllm:num_requests_running") == 0, timeout=WAIT_S,
                    what="the engine to drop the aborted sequences")
