@@ -81,14 +81,15 @@ class GenerationRequest(RequestBody):
     priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     # Prefix-cache isolation; combined with (never replacing) the tenant's own salt.
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: the logprob of each prompt token, with this many alternatives (completions only).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Known to OpenAI's API or vLLM's, and not supported here: refused rather than ignored.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("logit_bias", "best_of", "prompt_logprobs"):
+        for name in ("logit_bias", "best_of"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is not supported by this server")
         return self
@@ -198,6 +199,8 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message requires add_generation_prompt to be false")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is supported on /v1/completions only")
         return self
 
     @property
@@ -258,10 +261,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # vLLM's shape: per prompt position (None for the first), token id -> its logprob; only on the
+    # first chunk of a streamed choice.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     # vLLM's extension: the stop token id or stop string that ended the choice.
     stop_reason: int | str | None = None

@@ -63,8 +63,11 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, output: StreamOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
@@ -194,6 +197,7 @@ class Serving:
                 top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings,
                 stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
+                prompt_logprobs=body.prompt_logprobs,
             )
             self.engine.validate(prompt_token_ids, params)
         except ValueError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from kvpilot.runtime import cli
 from kvpilot.runtime.server import demo_model
+from kvpilot.runtime.server.limits import ServerLimits
 
 from server_harness import HTTP_TIMEOUT_S, start_server
 
@@ -116,3 +118,19 @@ def test_without_model_dir_the_demo_model_is_built_once_and_the_readme_examples_
         patch.setenv("XDG_CACHE_HOME", str(cache))
         assert demo_model.ensure_demo_model() == built
     assert (built / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_the_readme_lists_every_limit_with_its_default():
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    section = readme.split("### Limits and hardening", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(--[\w-]+)` \| ([\d.]+)", section, flags=re.MULTILINE))
+    limits = {action.option_strings[0]: action.default for action in _serve_parser()._actions
+              if action.dest in {f.name for f in dataclasses.fields(ServerLimits)}}
+    assert set(rows) == set(limits)
+    for flag, default in limits.items():
+        assert float(rows[flag]) == default, flag
+
+
+def _serve_parser():
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    return commands.choices["serve"]

@@ -217,6 +217,24 @@ def test_completion_logprobs_match_the_offline_engine(http, offline):
     assert streamed == pytest.approx(logprobs["token_logprobs"], abs=1e-4)
 
 
+def test_prompt_logprobs_match_the_offline_engine(http, offline):
+    llm, _ = offline
+    [reference] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    body = http.post("/v1/completions", json=_greedy(prompt=PROMPTS[0], max_tokens=2, prompt_logprobs=2)).json()
+    served = body["choices"][0]["prompt_logprobs"]
+    assert len(served) == len(reference.prompt_token_ids) and served[0] is None
+    for position in range(1, len(served)):
+        expected = reference.prompt_logprobs[position]
+        assert set(served[position]) == {str(token) for token in expected}
+        for token, entry in expected.items():
+            got = served[position][str(token)]
+            assert got["logprob"] == pytest.approx(entry.logprob, abs=1e-4) and got["rank"] == entry.rank
+    # Streamed, they come once, on the first chunk.
+    events = _stream(http, "/v1/completions", _greedy(prompt=PROMPTS[0], max_tokens=2, prompt_logprobs=2))
+    firsts = [e["choices"][0]["prompt_logprobs"] for e in events[:-1]]
+    assert firsts[0] == served and all(first is None for first in firsts[1:])
+
+
 def test_chat_logprobs_list_the_top_alternatives(http):
     body = http.post("/v1/chat/completions", json=_greedy(messages=MESSAGES, logprobs=True, top_logprobs=3)).json()
     content = body["choices"][0]["logprobs"]["content"]

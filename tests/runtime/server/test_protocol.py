@@ -48,7 +48,7 @@ def test_one_prompt_per_request(prompt, unwrapped):
     {"prompt": "x", "suffix": "y"},
     {"prompt": "x", "best_of": 2},
     {"prompt": "x", "logit_bias": {"5": 1.0}},
-    {"prompt": "x", "prompt_logprobs": 1},
+    {"prompt": "x", "prompt_logprobs": 21},
 ])
 def test_refused_completion_bodies(fields):
     with pytest.raises(ValidationError):
@@ -80,6 +80,7 @@ def test_chat_token_limits_and_logprobs():
     {"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]},
     {"messages": [{"role": "wizard", "content": "hi"}]},
     {"messages": USER, "max_completion_tokens": "5"},
+    {"messages": USER, "prompt_logprobs": 1},
 ])
 def test_refused_chat_bodies(fields):
     with pytest.raises(ValidationError):
