@@ -40,7 +40,7 @@ def test_bad_flags(capsys, argv, complaint):
 
 @pytest.mark.parametrize("argv, complaint", [
     (["--max-request-body-bytes", "0"], "argument --max-request-body-bytes: must be a positive integer"),
-    (["--max-n", "x"], "argument --max-n: invalid _positive_int value"),
+    (["--max-n", "x"], "argument --max-n: invalid positive_int value"),
     (["--stream-stall-timeout", "0"], "argument --stream-stall-timeout: must be a positive number"),
 ])
 def test_bad_limits(capsys, argv, complaint):
