@@ -17,6 +17,8 @@ from kvpilot.runtime.config import SchedulingPolicy
 
 # vLLM's cap on logprobs; the engine enforces it too.
 MAX_LOGPROBS = 20
+# Tokens one request may bias (OpenAI's own limit is of this order).
+MAX_LOGIT_BIAS = 300
 # The roles chat templates are written for (OpenAI's, with its newer "developer").
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Integers cross to the engine as 64-bit (msgpack, torch); anything larger is refused here.
@@ -83,16 +85,32 @@ class GenerationRequest(RequestBody):
     cache_salt: str | None = Field(None, min_length=1)
     # vLLM's: the logprob of each prompt token, with this many alternatives (completions only).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Known to OpenAI's API or vLLM's, and not supported here: refused rather than ignored.
+    # OpenAI's: token id (as a string) -> a bias within [-100, 100] added to its logit.
     logit_bias: dict[str, float] | None = None
+    # Known to OpenAI's API, and not supported here: refused rather than ignored.
     best_of: int | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        if logit_bias is None:
+            return None
+        if len(logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(logit_bias)}")
+        for token, bias in logit_bias.items():
+            if not token.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(f"maps token ids to biases within [-100, 100], got {token!r}: {bias!r}")
+        return logit_bias
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("logit_bias", "best_of"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported by this server")
+        if self.best_of is not None:
+            raise ValueError("best_of is not supported by this server")
         return self
+
+    @property
+    def token_logit_bias(self) -> dict[int, float] | None:
+        return None if self.logit_bias is None else {int(token): bias for token, bias in self.logit_bias.items()}
 
     @field_validator("stop")
     @classmethod

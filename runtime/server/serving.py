@@ -197,7 +197,7 @@ class Serving:
                 top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings,
                 stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
-                prompt_logprobs=body.prompt_logprobs,
+                prompt_logprobs=body.prompt_logprobs, logit_bias=body.token_logit_bias,
             )
             self.engine.validate(prompt_token_ids, params)
         except ValueError as err:

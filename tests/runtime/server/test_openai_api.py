@@ -197,6 +197,22 @@ def test_stop_token_ids_end_the_choice(http, offline):
     assert body["usage"]["completion_tokens"] == token_ids.index(token_ids[3]) + 1
 
 
+def test_logit_bias_steers_the_choice(http, offline, tiny_llama_dir):
+    _, expected = offline
+    greedy = expected[PROMPTS[0]].outputs[0]
+    tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    favoured = next(t for t in tokenizer.encode(" river stone market", add_special_tokens=False).ids
+                    if t not in greedy.token_ids)
+    body = _greedy(prompt=PROMPTS[0], max_tokens=4)
+    biased = http.post("/v1/completions", json={**body, "logit_bias": {str(favoured): 100}}).json()
+    assert biased["choices"][0]["text"] == tokenizer.decode([favoured] * 4)
+    # Banning the greedy first token makes the choice start otherwise.
+    banned = http.post("/v1/completions", json={**body, "logit_bias": {str(greedy.token_ids[0]): -100},
+                                                "logprobs": 0}).json()
+    first = banned["choices"][0]["logprobs"]["tokens"][0]
+    assert first != tokenizer.decode([greedy.token_ids[0]])
+
+
 def test_completion_logprobs_match_the_offline_engine(http, offline):
     _, expected = offline
     reference = expected[PROMPTS[0]].outputs[0]

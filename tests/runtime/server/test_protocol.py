@@ -47,7 +47,9 @@ def test_one_prompt_per_request(prompt, unwrapped):
     # Known fields this server does not honour are refused, not ignored.
     {"prompt": "x", "suffix": "y"},
     {"prompt": "x", "best_of": 2},
-    {"prompt": "x", "logit_bias": {"5": 1.0}},
+    {"prompt": "x", "logit_bias": {"5": 101.0}},
+    {"prompt": "x", "logit_bias": {"five": 1.0}},
+    {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}},
     {"prompt": "x", "prompt_logprobs": 21},
 ])
 def test_refused_completion_bodies(fields):
