@@ -18,7 +18,6 @@ import pytest
 from server_harness import (
     HTTP_TIMEOUT_S,
     assert_openai_error,
-    sse_events,
     start_server,
     wait_until,
 )
