@@ -170,12 +170,18 @@ def test_a_missing_tenant_secret_warns_and_is_picked_up_when_it_appears(tmp_path
             assert warning["type"] == "Warning"
             assert warning["message"] == "tenant prod: Secret prod-key does not exist"
             assert tenants_file(k)[0]["apiKeyFiles"] == []
+            # Not a failure: the engine serves, Degraded says what is missing.
+            degraded = await eventually(lambda: condition(k.engine("qwen"), "Degraded"), "a Degraded condition")
+            assert (degraded["status"], degraded["reason"]) == ("True", "TenantKeyMissing")
+            assert degraded["message"] == "tenant prod: Secret prod-key does not exist"
 
             await k.create_secret("prod-key", {"api-key": key("sk-prod")})
             await eventually(lambda: (child(k, "Secret") or {}).get("data") == {"prod": key("sk-prod")},
                              "the key, on a retry")
             await eventually(lambda: tenants_file(k)[0]["apiKeyFiles"] == ["/var/run/kvpilot/tenant-keys/prod"],
                              "the key file in the tenants file")
+            await eventually(lambda: condition(k.engine("qwen"), "Degraded")["status"] == "False",
+                             "Degraded to clear")
 
     run(scenario())
 
