@@ -25,7 +25,7 @@ serve: venv
 # 2,000 streaming requests at concurrency 64 against a fresh server; prints what the README's
 # Reliability section quotes (a 300-request soak runs in `make test`).
 soak: venv
-	PYTHONPATH=tests/runtime/server $(PY) tests/runtime/server/soak.py --requests 2000 --concurrency 64
+	$(PY) tests/runtime/server/soak.py --requests 2000 --concurrency 64
 
 # Every script in bench/, one after the other (each prints its markdown table; see BENCHMARKS.md).
 bench: venv
