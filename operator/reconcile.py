@@ -40,9 +40,9 @@ class Reconciler:
         monitor = await self.client.serves(*SERVICE_MONITORS)
         for child in render.children(engine, tenant_keys=keys, admin_token=admin_token, service_monitor=monitor):
             await self._apply(engine, child)
-        await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"])
+        await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], problems=problems)
         for problem in problems:
-            kopf.warn(_about(engine), reason="TenantKeyMissing", message=problem)
+            kopf.warn(_about(engine), reason=status.TENANT_KEY_MISSING, message=problem)
         return problems
 
     async def record_failure(self, engine: Mapping[str, Any], message: str) -> None:
@@ -62,10 +62,12 @@ class Reconciler:
         if engine is not None and not engine["metadata"].get("deletionTimestamp"):
             await self.reconcile(engine)
 
-    async def refresh_status(self, namespace: str, name: str, *, failure: str | None = None) -> None:
+    async def refresh_status(self, namespace: str, name: str, *, failure: str | None = None,
+                             problems: list[str] | None = None) -> None:
         async def derived(engine: Mapping[str, Any]) -> dict[str, Any]:
             deployment = await self.client.get(kube.path("apps/v1", "Deployment", namespace, name))
-            return status.derive(engine, deployment, now=datetime.datetime.now(datetime.UTC), failure=failure)
+            return status.derive(engine, deployment, now=datetime.datetime.now(datetime.UTC), failure=failure,
+                                 problems=problems)
 
         await self.update_status(namespace, name, derived)
 

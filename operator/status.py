@@ -17,7 +17,11 @@ from kvpilot.operator import autoscaler, naming, render
 
 READY = "Ready"
 PROGRESSING = "Progressing"
+# True while the spec applies but part of it cannot work (a tenant's key Secret is missing):
+# the engine serves, without what is broken, and the reconcile retries with a growing delay.
+DEGRADED = "Degraded"
 RECONCILE_FAILED = "ReconcileFailed"
+TENANT_KEY_MISSING = "TenantKeyMissing"
 
 
 @dataclass(frozen=True)
@@ -33,9 +37,12 @@ def derive(
     *,
     now: datetime.datetime,
     failure: str | None = None,
+    problems: list[str] | None = None,
 ) -> dict[str, Any]:
     """The status fields the reconciler owns. `failure` is why applying the current spec failed;
-    a failure recorded earlier for the same generation stands until the spec changes."""
+    a failure recorded earlier for the same generation stands until the spec changes. `problems`
+    are what a reconcile pass found missing (the Degraded condition); None leaves that condition
+    as it is (a refresh that did not look)."""
     meta = engine["metadata"]
     spec = engine["spec"]
     current = engine.get("status") or {}
@@ -66,6 +73,12 @@ def derive(
         conditions = set_condition(
             conditions, PROGRESSING, verdict.phase == "Progressing", verdict.reason, verdict.message,
             observed, stamp,
+        )
+
+    if problems is not None:
+        conditions = _set_condition(
+            conditions, DEGRADED, bool(problems), TENANT_KEY_MISSING if problems else "TenantKeysFound",
+            "; ".join(problems) if problems else "every tenant's API key Secret is found", observed, stamp,
         )
 
     status: dict[str, Any] = {

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-# Stdlib only: the engine's settings for `serve`, without torch.
-from kvpilot.runtime.argtypes import non_negative_float, positive_int
+# Stdlib only: the engine's and the server's settings for `serve`, without torch or fastapi.
+from kvpilot.runtime.argtypes import non_negative_float, positive_float, positive_int
 from kvpilot.runtime.benchmarks.cli import add_bench
 from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting, SchedulingPolicy
+from kvpilot.runtime.server.limits import ServerLimits
 
 # A handler gets the parsed args and its own subparser, so usage errors it finds late
 # (after parsing) still exit 2 with that subcommand's usage line.
@@ -173,7 +175,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                       help="sampling defaults: auto reads the model's generation_config.json, vllm ignores it, "
                            "PATH reads the one in that folder")
     http.add_argument("--api-key", metavar="KEY",
-                      help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV} if set)")
+                      help=f"require `Authorization: Bearer KEY` on every route but /health, /version, /metrics "
+                           f"(default: ${API_KEY_ENV} if set)")
     http.add_argument("--tenants-file", metavar="PATH", type=Path,
                       help="tenants (YAML or JSON): API keys, priorities, limits; reloaded when it changes")
     http.add_argument("--trust-tenant-header", action="store_true",
@@ -186,9 +189,39 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                            "engine runs now)")
     http.add_argument("--shutdown-timeout", metavar="SECONDS", type=non_negative_float, default=30.0,
                       help="on SIGTERM, how long requests in flight may run before they are aborted")
+    _add_limit_flags(http)
 
     add_engine_flags(sub.add_argument_group("engine"))
     sub.set_defaults(handler=_serve, subparser=sub)
+
+
+# ServerLimits field -> (flag, metavar, help); server settings, not engine ones, so not in the config spine.
+_LIMIT_FLAGS = {
+    "max_request_body_bytes": ("--max-request-body-bytes", "BYTES", "larger request bodies get 413, unparsed"),
+    "max_n": ("--max-n", "N", "most choices (n) per request"),
+    "max_stop_strings": ("--max-stop-strings", "N", "most stop strings per request"),
+    "max_stop_string_length": ("--max-stop-string-length", "CHARS", "longest stop string"),
+    "max_stop_token_ids": ("--max-stop-token-ids", "N", "most stop_token_ids per request"),
+    "stream_stall_timeout_s": ("--stream-stall-timeout", "SECONDS",
+                               "abort a stream whose client has read nothing for this long"),
+    "max_buffered_outputs": ("--max-buffered-outputs", "N",
+                             "abort a stream that has this many deltas waiting for its client"),
+    "socket_send_buffer_bytes": ("--socket-send-buffer-bytes", "BYTES",
+                                 "kernel send buffer per connection (what a client that stops reading can pin)"),
+    "tokenizer_pool_size": ("--tokenizer-pool-size", "N",
+                            "threads that tokenize, render chat templates and detokenize"),
+    "timeout_keep_alive_s": ("--timeout-keep-alive", "SECONDS", "close a keep-alive connection idle this long"),
+    "header_timeout_s": ("--header-timeout", "SECONDS",
+                         "close a connection whose request head has not arrived in this time"),
+    "max_connections": ("--max-connections", "N", "most open connections; more are closed at once"),
+}
+
+
+def _add_limit_flags(group: argparse._ArgumentGroup) -> None:
+    for field in dataclasses.fields(ServerLimits):
+        flag, metavar, help_text = _LIMIT_FLAGS[field.name]
+        group.add_argument(flag, dest=field.name, metavar=metavar, default=field.default, help=help_text,
+                           type=positive_int if field.type == "int" else positive_float)
 
 
 def flag_name(engine_setting: EngineSetting) -> str:
@@ -234,8 +267,12 @@ def _policy_from_file(path: Path, parser: argparse.ArgumentParser) -> str:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.trust_tenant_header and args.tenants_file is None:
         parser.error("argument --trust-tenant-header: needs --tenants-file (the header names a tenant from it)")
+    if args.trust_tenant_header and api_key is None:
+        parser.error("argument --trust-tenant-header: needs --api-key, the key the trusted gateway sends "
+                     "(without it anyone could name any tenant)")
     # Imported per call: the server stack (and, through AsyncLLM, torch) loads only for `serve`.
     from kvpilot.runtime.server.api_server import ServerConfig
     from kvpilot.runtime.server.auth import AdminToken
@@ -277,11 +314,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               "(--generation-config vllm ignores them)", file=sys.stderr)
     config = ServerConfig(
         served_model_name=args.served_model_name or default_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
         tenants=tenants,
         admin_token=admin_token,
         trust_tenant_header=args.trust_tenant_header,
         sampling_defaults=sampling_defaults,
+        limits=ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)}),
     )
     try:
         return run_server(engine_config, config, host=args.host, port=args.port,

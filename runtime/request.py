@@ -31,6 +31,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Token id -> added to its logit before sampling (OpenAI's logit_bias, within +-100).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -57,6 +59,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be non-negative, got {value}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        # NaN fails every comparison, so it is refused too.
+        if self.logit_bias is not None and any(not (0 <= token and -100 <= bias <= 100)
+                                               for token, bias in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids (non-negative) to biases within [-100, 100]")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -119,6 +125,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Checked after every sampled token: a set, so that a long list costs nothing per token.
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
 
         # Tokens this request may produce at most: max_tokens, bounded by the model length.
         limit = sampling_params.max_tokens

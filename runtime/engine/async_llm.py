@@ -20,6 +20,30 @@ from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.request import SamplingParams
 
 
+class SlowConsumerError(RuntimeError):
+    """A request's consumer left more outputs unread than its buffer holds; the request was aborted."""
+
+
+class BoundedOutputQueue(asyncio.Queue):
+    """A request's deltas, at most `limit` unread: past it, `on_overflow` runs once, the consumer
+    is left a SlowConsumerError after what it has not read, and later deltas are dropped."""
+
+    def __init__(self, limit: int, on_overflow: Callable[[], None]) -> None:
+        super().__init__()
+        self.limit = limit
+        self.on_overflow = on_overflow
+        self.overflowed = False
+
+    def put_nowait(self, item) -> None:
+        if self.overflowed:
+            return
+        if self.qsize() >= self.limit and not isinstance(item, BaseException):
+            self.overflowed = True
+            self.on_overflow()
+            item = SlowConsumerError(f"the client left more than {self.limit} outputs unread: aborted")
+        super().put_nowait(item)
+
+
 class AsyncLLM:
     """The engine as an async API, for the OpenAI server.
 
@@ -76,6 +100,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        max_buffered_outputs: int | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream deltas until every one of the params.n choices finished.
 
@@ -83,7 +108,9 @@ class AsyncLLM:
         (client disconnect) aborts whatever is unfinished, freeing its KV blocks. Raises
         ValueError for bad input (before anything is queued), EngineDeadError if the engine dies.
         Stop strings (params.stop) are found by the OutputProcessor, which cuts the text; the
-        engine is then told to abort.
+        engine is then told to abort. With max_buffered_outputs, a consumer that leaves more deltas
+        than that unread gets the request aborted in the engine, and SlowConsumerError after the
+        deltas it left.
         """
         self.engine_core.ensure_running()
         self.validate(prompt_token_ids, params)
@@ -100,14 +127,19 @@ class AsyncLLM:
             )
             for index in range(params.n)
         ]
+        engine_ids = [request.request_id for request in requests]
+        unfinished = set(engine_ids)
         sink: asyncio.Queue = asyncio.Queue()
+        if max_buffered_outputs is not None:
+            def overflowed() -> None:
+                # Deferred: the output processor is in the middle of delivering this step.
+                asyncio.get_running_loop().call_soon(self._abort, list(unfinished), False)
+            sink = BoundedOutputQueue(max_buffered_outputs, overflowed)
         self.engine_core.add_requests(requests)
         # Outputs reach the loop only between awaits, so none can arrive before this.
         for index, request in enumerate(requests):
             self.output_processor.add_request(request_id, request.request_id, index, request.sampling_params,
                                               len(prompt_token_ids), sink.put_nowait, tenant)
-        engine_ids = [request.request_id for request in requests]
-        unfinished = set(engine_ids)
         try:
             while unfinished:
                 item = await sink.get()

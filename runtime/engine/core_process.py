@@ -29,6 +29,7 @@ from kvpilot.runtime.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from kvpilot.runtime.engine.parent_watch import exit_with_parent, remove_if_orphaned
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request
 
@@ -61,6 +62,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    # Busy or idle, the engine ends within a poll of its API server's death, with its socket folder.
+    remove_if_orphaned(os.path.dirname(input_address.removeprefix("ipc://")))
+    exit_with_parent()
     context = zmq.Context()
     outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
     output_thread = threading.Thread(target=_send_outputs, args=(output_address, outputs),

@@ -10,7 +10,10 @@ class IncrementalDetokenizer:
     """Turns token ids into text as they arrive, and finds stop strings in that text.
 
     While stop strings are set, the last `len(longest stop) - 1` characters are held back from
-    the stream: they could still turn out to be the start of a stop string.
+    the stream: they could still turn out to be the start of a stop string. Only the text not
+    yet taken is kept, and each token's text is searched together with the held-back tail
+    before it, so the work per token is bounded by the stop strings' sizes, never by how much
+    was generated.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
@@ -22,8 +25,8 @@ class IncrementalDetokenizer:
         self._stop = [s for s in stop or [] if s]
         self._include_stop = include_stop_str_in_output
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""
-        self._emitted = 0
+        # The text decoded and not taken yet.
+        self._pending = ""
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string that ended the text, if one did."""
@@ -31,24 +34,25 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
                 continue
-            searched_before = max(0, len(self.text) - self._holdback)
-            self.text += piece
+            # Whatever lies before the held-back tail was searched already.
+            searched_before = max(0, len(self._pending) - self._holdback)
+            self._pending += piece
             stop = self._find_stop(searched_before)
             if stop is not None:
                 return stop
         return None
 
     def _find_stop(self, start: int) -> str | None:
-        found = [(self.text.find(s, start), s) for s in self._stop]
+        found = [(self._pending.find(s, start), s) for s in self._stop]
         found = [(pos, s) for pos, s in found if pos != -1]
         if not found:
             return None
         pos, stop = min(found)
-        self.text = self.text[: pos + (len(stop) if self._include_stop else 0)]
+        self._pending = self._pending[: pos + (len(stop) if self._include_stop else 0)]
         return stop
 
     def take_new_text(self, finished: bool) -> str:
         """The text not returned yet; short of the held-back tail until the sequence finishes."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)
-        new, self._emitted = self.text[self._emitted : end], end
+        end = len(self._pending) if finished else max(0, len(self._pending) - self._holdback)
+        new, self._pending = self._pending[:end], self._pending[end:]
         return new

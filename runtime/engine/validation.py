@@ -33,6 +33,9 @@ def validate_request(
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+    bad = [t for t in params.logit_bias or {} if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > min(MAX_LOGPROBS, vocab_size):

@@ -23,6 +23,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     all_greedy: bool
     all_random: bool
+    # (rows, token ids, biases) added to the logits before sampling; None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -58,7 +60,10 @@ class Sampler(torch.nn.Module):
         metadata: SamplingMetadata,
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        logits = logits.float()
+        raw_logits = logits = logits.float()
+        if metadata.logit_bias is not None:
+            rows, tokens, biases = metadata.logit_bias
+            logits = logits.index_put((rows, tokens), biases, accumulate=True)
         if metadata.all_random:
             sampled = _sample_random(logits, metadata, generator)
         else:
@@ -71,8 +76,8 @@ class Sampler(torch.nn.Module):
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # Logprobs describe the model's own distribution, untouched by the sampling filters
-            # (vLLM's default `raw_logprobs` mode).
-            raw = logits.log_softmax(dim=-1)
+            # and the logit bias (vLLM's default `raw_logprobs` mode).
+            raw = raw_logits.log_softmax(dim=-1)
             logprobs = gather_logprobs(raw, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 

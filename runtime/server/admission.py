@@ -1,26 +1,61 @@
-"""The door every request passes: 503 while draining or dead, 401 without a valid key, 429 over a
-tenant's concurrency limit; it counts requests in flight for the SIGTERM drain.
+"""The door every request passes: 503 while draining or dead, 401 without a valid key; it counts
+requests in flight for the SIGTERM drain, and releases the sequences a request took from its
+tenant's limit (429 beyond it) when the response ends.
 
-A plain ASGI middleware, so that it sees a streamed response to its very end: the tenant's slot
-and the in-flight count are released when the last byte is sent or the client goes away.
+A plain ASGI middleware, so that it sees a streamed response to its very end: the tenant's
+sequences and the in-flight count are released when the last byte is sent or the client goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.runtime.server.auth import Authenticator
-from kvpilot.runtime.server.errors import APIError
+from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.state import ServerState
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 
-# Requests that occupy one of a tenant's concurrent slots.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-# Answered whatever the state, so that probes and scrapes see the truth while draining or dead.
+# Answered whatever the state and without a key, so that probes and scrapes see the truth
+# while draining or dead.
 OBSERVATION_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Guarded by the admin token instead of an API key (api_server.py checks it).
+ADMIN_PREFIX = "/admin/"
+# What a 429 tells the client to wait: a tenant's sequences free up as its requests finish.
+RETRY_AFTER_S = 1
+
+
+class TenantSequences:
+    """The engine sequences (`n` per request) one request holds against its tenant's limit.
+
+    The route acquires them once it knows `n`; the middleware releases them when the response ends.
+    """
+
+    def __init__(self, tenants: TenantRegistry | None, tenant: Tenant | None) -> None:
+        self.tenants = tenants
+        self.tenant = tenant
+        self.held = 0
+
+    def acquire(self, n: int) -> None:
+        if self.tenant is None:
+            return
+        limit = self.tenants.limit(self.tenant)
+        if limit is not None and n > limit:
+            raise bad_request(f"n={n} is more sequences than tenant {self.tenant.name!r} may run at once "
+                              f"({limit}): lower n", "n")
+        if not self.tenants.try_admit(self.tenant, n):
+            raise APIError(429, f"tenant {self.tenant.name!r} has {self.tenants.active(self.tenant.name)} "
+                                f"sequences in flight and its limit is {limit}: {n} more do not fit",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.held += n
+
+    def release(self) -> None:
+        if self.held:
+            self.tenants.release(self.tenant, self.held)
+            self.held = 0
 
 
 class AdmissionMiddleware:
@@ -36,17 +71,21 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            tenant, holds_slot = self._admit(scope)
+            tenant = self._admit(scope)
         except APIError as err:
             await err.response()(scope, receive, send)
             return
-        # Routes read it as request.state.tenant.
-        scope.setdefault("state", {})["tenant"] = tenant
-        response_started = False
+        sequences = TenantSequences(self.tenants, tenant)
+        # Routes read them as request.state.tenant and request.state.sequences.
+        scope.setdefault("state", {}).update(tenant=tenant, sequences=sequences)
+        response_started = streaming = False
 
         async def tracking_send(message: Message) -> None:
-            nonlocal response_started
-            response_started = True
+            nonlocal response_started, streaming
+            if message["type"] == "http.response.start":
+                response_started = True
+                streaming = Headers(raw=message.get("headers", [])).get("content-type", "").startswith(
+                    "text/event-stream")
             await send(message)
 
         self.state.request_started()
@@ -55,29 +94,24 @@ class AdmissionMiddleware:
         except asyncio.CancelledError:
             if not self.state.aborting:
                 raise
-            # The drain's own cancellation, past --shutdown-timeout: answer it if we still can
-            # (a stream already under way just ends, without its [DONE]).
+            # The drain's own cancellation, past --shutdown-timeout: answer it if we still can.
             asyncio.current_task().uncancel()
+            error = APIError(503, "the server shut down before this request finished", code="shutting_down")
             if not response_started:
-                error = APIError(503, "the server shut down before this request finished", code="shutting_down")
                 await error.response()(scope, receive, send)
+            elif streaming:
+                # A stream ends with an error event, so the client knows its answer is cut short.
+                with contextlib.suppress(RuntimeError, OSError):
+                    await send({"type": "http.response.body", "body": sse_error(error).encode(), "more_body": False})
         finally:
             self.state.request_finished()
-            if holds_slot:
-                self.tenants.release(tenant)
+            sequences.release()
 
-    def _admit(self, scope: Scope) -> tuple[Tenant | None, bool]:
+    def _admit(self, scope: Scope) -> Tenant | None:
         if self.state.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {self.state.dead_reason}", code="engine_dead")
         if self.state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        path = scope["path"]
-        if not path.startswith("/v1"):
-            return None, False
-        tenant = self.authenticator.authenticate(Headers(scope=scope))
-        if tenant is None or path not in GENERATION_PATHS:
-            return tenant, False
-        if not self.tenants.try_admit(tenant):
-            raise APIError(429, f"tenant {tenant.name!r} has {self.tenants.active(tenant.name)} requests "
-                                f"in flight, its limit", code="rate_limit_exceeded")
-        return tenant, True
+        if scope["path"].startswith(ADMIN_PREFIX):
+            return None
+        return self.authenticator.authenticate(Headers(scope=scope))

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -18,10 +19,12 @@ from kvpilot.runtime.engine.async_llm import AsyncLLM
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.server.admission import AdmissionMiddleware
 from kvpilot.runtime.server.auth import AdminToken, Authenticator
-from kvpilot.runtime.server.chat import chat_prompt_token_ids, create_chat_completion
+from kvpilot.runtime.server.body_limit import BodyLimitMiddleware
+from kvpilot.runtime.server.chat import create_chat_completion
 from kvpilot.runtime.server.chat_template import ChatTemplate
 from kvpilot.runtime.server.completions import create_completion
 from kvpilot.runtime.server.errors import APIError, bad_request, install_error_handlers
+from kvpilot.runtime.server.limits import ServerLimits
 from kvpilot.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvpilot.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -33,6 +36,7 @@ from kvpilot.runtime.server.protocol import (
 from kvpilot.runtime.server.serving import Serving, engine_dead_error
 from kvpilot.runtime.server.state import ServerState
 from kvpilot.runtime.server.tenants import TenantRegistry
+from kvpilot.runtime.server.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +54,18 @@ class ServerConfig:
     trust_tenant_header: bool = False
     # Request defaults from the model's generation_config.json (--generation-config).
     sampling_defaults: dict = field(default_factory=dict)
+    limits: ServerLimits = ServerLimits()
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> FastAPI:
-    serving = Serving(engine, config.served_model_name, config.tenants, config.sampling_defaults)
+    tokenizers = TokenizerPool(engine.tokenizer, config.limits.tokenizer_pool_size)
+    serving = Serving(engine, config.served_model_name, config.tenants, config.limits, tokenizers,
+                      config.sampling_defaults)
     template = ChatTemplate(engine.tokenizer_config)
     metrics = ServerMetrics(config.served_model_name, engine.block_size, engine.num_kv_blocks,
                             http_requests_in_flight=lambda: state.in_flight)
     engine.add_stat_logger(metrics)
+    serving.on_slow_client = metrics.count_slow_client
     engine.on_engine_dead(state.mark_dead)
 
     @contextlib.asynccontextmanager
@@ -69,6 +77,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
         yield
         if watcher is not None:
             watcher.cancel()
+        tokenizers.shutdown()
 
     app = FastAPI(title="kvpilot", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -80,6 +89,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
     app.add_middleware(AdmissionMiddleware, state=state,
                        authenticator=Authenticator(config.api_key, config.tenants, config.trust_tenant_header),
                        tenants=config.tenants)
+    # Outermost: an oversized body is refused before anything else looks at the request.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_body_bytes)
     app.include_router(_openai_routes(serving, template))
     app.include_router(_utility_routes(serving, template, state, metrics))
     app.include_router(_admin_routes(engine, config.admin_token, metrics))
@@ -104,7 +115,8 @@ def _openai_routes(serving: Serving, template: ChatTemplate) -> APIRouter:
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": serving.model_name, "object": "model", "created": created, "owned_by": "kvpilot",
-            "root": engine.model_dir, "max_model_len": engine.max_model_len,
+            # vLLM's root is the model as the user named it; here that is the served name, never a path.
+            "root": serving.model_name, "max_model_len": engine.max_model_len,
             # Where a request leaves a sampling field out, this is what it gets instead of OpenAI's default.
             "sampling_defaults": serving.sampling_defaults,
         }]}
@@ -117,16 +129,19 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
     """vLLM's extras around the OpenAI API: tokenizer, health, version, Prometheus metrics."""
     router = APIRouter()
     engine = serving.engine
+    tokenizers = serving.tokenizers
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
         if body.prompt is not None:
-            tokens = engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await tokenizers.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            tokens = chat_prompt_token_ids(serving, template, body.messages,
-                                           add_generation_prompt=body.add_generation_prompt)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+            tokens = await serving.chat_prompt_token_ids(template, body.messages,
+                                                         add_generation_prompt=body.add_generation_prompt)
+        # Encoded on the pool too: a long token list is slow to turn into JSON.
+        answer = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        return Response(await tokenizers.run(msgspec.json.encode, answer), media_type="application/json")
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -135,7 +150,7 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
         if bad:
             raise bad_request(f"token ids out of the vocabulary (size {engine.vocab_size}): {bad[:5]}", "tokens")
         # Special tokens are kept: detokenize(tokenize(text)) shows exactly what the model sees.
-        return {"prompt": engine.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await tokenizers.decode(body.tokens, skip_special_tokens=False)}
 
     @router.get("/health")
     async def health() -> JSONResponse:

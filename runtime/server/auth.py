@@ -6,11 +6,14 @@ Every secret comparison is constant-time (hmac.compare_digest).
 from __future__ import annotations
 
 import hmac
+import logging
 from pathlib import Path
 from typing import Mapping
 
 from kvpilot.runtime.server.errors import APIError
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
+
+logger = logging.getLogger(__name__)
 
 TENANT_HEADER = "x-kvpilot-tenant"
 
@@ -37,10 +40,14 @@ class Authenticator:
     - Tenants: the Bearer token must be a tenant's key; the server key, when also configured,
       is accepted too and runs without a tenant (an operator's own calls).
     - `--trust-tenant-header`: a gateway in front has authenticated the caller, and the
-      `X-Kvpilot-Tenant` header names the tenant (the server key, if configured, is still required).
+      `X-Kvpilot-Tenant` header names the tenant. The header counts only on a request that
+      carries the server key, the gateway's credential: without it the header would let anyone
+      be any tenant, and a tenant's key could act as another tenant.
     """
 
     def __init__(self, api_key: str | None, tenants: TenantRegistry | None, trust_tenant_header: bool) -> None:
+        if trust_tenant_header and (api_key is None or tenants is None):
+            raise ValueError("trusting the tenant header needs the gateway's key (--api-key) and tenants")
         self.api_key = api_key
         self.tenants = tenants
         self.trust_tenant_header = trust_tenant_header
@@ -49,9 +56,10 @@ class Authenticator:
         token = bearer_token(headers)
         has_server_key = self.api_key is not None and token is not None and same_secret(token, self.api_key)
         tenant_name = headers.get(TENANT_HEADER)
-        if self.trust_tenant_header and self.tenants is not None and tenant_name is not None:
-            if self.api_key is not None and not has_server_key:
-                raise _unauthorized("missing or invalid API key")
+        if self.trust_tenant_header and tenant_name is not None:
+            if not has_server_key:
+                raise _unauthorized(f"the {TENANT_HEADER} header is honoured only with the gateway's key "
+                                    f"(the server's API key)")
             tenant = self.tenants.by_name(tenant_name)
             if tenant is None:
                 raise APIError(401, f"unknown tenant {tenant_name!r}", code="invalid_tenant")
@@ -87,6 +95,8 @@ class AdminToken:
         try:
             expected = self._read()
         except (OSError, ValueError) as err:
-            raise APIError(503, f"the admin token is unavailable: {err}") from err
+            # The reason (it names the file) is for the server's log, not for the caller.
+            logger.error("the admin token is unavailable: %s", err)
+            raise APIError(503, "the admin token is unavailable", code="admin_token_unavailable") from err
         if given is None or not same_secret(given, expected):
             raise APIError(401, "missing or invalid admin token", code="invalid_admin_token")

@@ -9,8 +9,7 @@ from fastapi.responses import Response
 
 from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
-from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
-from kvpilot.runtime.server.errors import bad_request
+from kvpilot.runtime.server.chat_template import ChatTemplate
 from kvpilot.runtime.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -20,7 +19,6 @@ from kvpilot.runtime.server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -28,22 +26,11 @@ from kvpilot.runtime.server.protocol import (
 from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_request_id, sampled_logprobs
 
 
-def chat_prompt_token_ids(serving: Serving, template: ChatTemplate, messages: list[ChatMessage], *,
-                          add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
-    try:
-        prompt = template.render([m.as_template_input() for m in messages], add_generation_prompt,
-                                 continue_final_message)
-    except ChatTemplateError as err:
-        raise bad_request(str(err), "messages") from err
-    # The template writes the special tokens (BOS included) itself.
-    return serving.engine.encode(prompt, add_special_tokens=False)
-
-
 async def create_chat_completion(body: ChatCompletionRequest, http_request: Request, serving: Serving,
                                  template: ChatTemplate) -> Response:
     serving.check_model(body.model)
-    prompt_token_ids = chat_prompt_token_ids(
-        serving, template, body.messages, add_generation_prompt=body.add_generation_prompt,
+    prompt_token_ids = await serving.chat_prompt_token_ids(
+        template, body.messages, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
     request_id = new_request_id("chatcmpl")

@@ -16,6 +16,7 @@ from kvpilot.runtime.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     Usage,
 )
 from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_request_id, sampled_logprobs
@@ -27,7 +28,7 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
         if not body.prompt:
             # Not left to the tokenizer: the BOS it adds would make an empty prompt look non-empty.
             raise bad_request("prompt is empty: it must have at least one character", "prompt")
-        prompt_token_ids = serving.engine.encode(body.prompt, add_special_tokens=True)
+        prompt_token_ids = await serving.prompt_token_ids(body.prompt, add_special_tokens=True, param="prompt")
     else:
         prompt_token_ids = list(body.prompt)
     request_id = new_request_id("cmpl")
@@ -71,6 +72,15 @@ class CompletionFormat:
             self._offsets[index] += len(token)
         return result
 
+    @staticmethod
+    def _prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, PromptLogprob] | None] | None:
+        if entries is None:
+            return None
+        return [None if entry is None else {
+            str(token): PromptLogprob(logprob=logprob_value(lp), rank=lp.rank, decoded_token=lp.decoded_token or "")
+            for token, lp in entry.items()
+        } for entry in entries]
+
     def opening_chunks(self) -> list[CompletionResponse]:
         return []
 
@@ -79,6 +89,7 @@ class CompletionFormat:
             index=output.index, text=output.text,
             logprobs=self._logprobs(output.index, output.token_ids, output.logprobs),
             finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(output.prompt_logprobs),
         )])
 
     def usage_chunk(self, usage: Usage) -> CompletionResponse:
@@ -87,6 +98,7 @@ class CompletionFormat:
     def response(self, choices: list[Choice], usage: Usage) -> CompletionResponse:
         return self._response([
             CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c.index, c.token_ids, c.logprobs),
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                             prompt_logprobs=self._prompt_logprobs(c.prompt_logprobs))
             for c in choices
         ], usage)

@@ -6,6 +6,7 @@ this shape; a 500 only ever means a bug in the server.
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 
@@ -22,6 +23,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -32,19 +34,26 @@ class APIError(Exception):
     """An error the client sees; raise it anywhere below a route."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
+        # Such as Allow on a 405 and Retry-After on a 429.
+        self.headers = headers
 
     def body(self) -> dict:
         error_type = _ERROR_TYPES.get(self.status_code) or HTTPStatus(self.status_code).phrase.lower().replace(" ", "_")
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def sse_error(error: APIError) -> str:
+    """The error as a server-sent event, for a stream that cannot end as it should."""
+    return f"data: {json.dumps(error.body())}\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -56,6 +65,39 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    _document_errors_as_answered(app)
+
+
+_ERROR_SCHEMA = {
+    "description": "Bad request: an OpenAI-shaped error",
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+        }}},
+    }}},
+}
+
+
+def _document_errors_as_answered(app: FastAPI) -> None:
+    """/openapi.json says 400 with the OpenAI error shape where FastAPI would document its 422."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = _ERROR_SCHEMA
+            schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+            schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -80,7 +122,7 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
     if error.status_code == 404:
         message = f"no route {request.method} {request.url.path}"
         return APIError(404, message, code="not_found").response()
-    return APIError(error.status_code, str(error.detail)).response()
+    return APIError(error.status_code, str(error.detail), headers=error.headers).response()
 
 
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:

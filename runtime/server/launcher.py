@@ -14,6 +14,8 @@ import uvicorn
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_llm import AsyncLLM
 from kvpilot.runtime.server.api_server import ServerConfig, build_app
+from kvpilot.runtime.server.connections import guarded_protocol
+from kvpilot.runtime.server.log_redaction import redact_access_log
 from kvpilot.runtime.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -37,10 +39,14 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig, host: str, p
     try:
         state = ServerState()
         app = build_app(engine, config, state)
-        server = DrainingServer(
-            uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S),
-            state, shutdown_timeout,
+        limits = config.limits
+        uvicorn_config = uvicorn.Config(
+            app, host=host, port=port, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
+            timeout_keep_alive=limits.timeout_keep_alive_s,
+            http=guarded_protocol(limits.header_timeout_s, limits.max_connections, limits.socket_send_buffer_bytes),
         )
+        redact_access_log()
+        server = DrainingServer(uvicorn_config, state, shutdown_timeout)
         engine.on_engine_dead(server.engine_died)
         await server.serve()
     finally:

@@ -70,6 +70,8 @@ class ServerMetrics:
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of scheduled requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.slow_client_aborts = counter("kvpilot:slow_client_aborts",
+                                          "Streams aborted because their client stopped reading.")
         self._request_success = Counter("vllm:request_success", "Finished requests (choices), by finish reason.",
                                         ["model_name", "finished_reason"], registry=registry)
         for reason in FINISH_REASONS:
@@ -113,6 +115,9 @@ class ServerMetrics:
         for latency in stats.inter_token_latencies:
             self.inter_token_latency.observe(latency)
         self.e2e_request_latency.observe(stats.e2e_latency)
+
+    def count_slow_client(self) -> None:
+        self.slow_client_aborts.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,22 +1,26 @@
 """The OpenAI (and vLLM-extension) request and response bodies, as pydantic models.
 
-Unknown request fields are ignored, as OpenAI's API and vLLM do. Range checks that need a
-second field or the model (min_tokens <= max_tokens, prompt + max_tokens <= max_model_len) are
-made later, in `serving.py`, where the numbers are known.
+Unknown request fields are ignored, as OpenAI's API and vLLM do; known fields the server cannot
+honour are refused, never silently dropped. Types are strict: `"5"` or `true` is no number, and
+no float is infinite. Range checks that need a second field, the model or the server's limits
+(min_tokens <= max_tokens, prompt + max_tokens <= max_model_len, --max-n) are made later, in
+`serving.py`, where the numbers are known.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from kvpilot.runtime.config import SchedulingPolicy
 
 # vLLM's cap on logprobs; the engine enforces it too.
 MAX_LOGPROBS = 20
-# More choices than this per request is a mistake or an abuse, never a use case.
-MAX_N = 128
+# Tokens one request may bias (OpenAI's own limit is of this order).
+MAX_LOGIT_BIAS = 300
+# The roles chat templates are written for (OpenAI's, with its newer "developer").
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Integers cross to the engine as 64-bit (msgpack, torch); anything larger is refused here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -26,6 +30,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 class RequestBody(BaseModel):
     """A request body; its text must be encodable, which JSON's "\\ud800" escapes are not."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -48,7 +54,7 @@ def _check_unicode(value) -> None:
             _check_unicode(item)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
@@ -56,7 +62,8 @@ class GenerationRequest(RequestBody):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    # Bounded by the server's --max-n.
+    n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     # 0 or -1 disable top-k, as in vLLM.
@@ -76,6 +83,34 @@ class GenerationRequest(RequestBody):
     priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     # Prefix-cache isolation; combined with (never replacing) the tenant's own salt.
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: the logprob of each prompt token, with this many alternatives (completions only).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's: token id (as a string) -> a bias within [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = None
+    # Known to OpenAI's API, and not supported here: refused rather than ignored.
+    best_of: int | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        if logit_bias is None:
+            return None
+        if len(logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(logit_bias)}")
+        for token, bias in logit_bias.items():
+            if not token.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(f"maps token ids to biases within [-100, 100], got {token!r}: {bias!r}")
+        return logit_bias
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.best_of is not None:
+            raise ValueError("best_of is not supported by this server")
+        return self
+
+    @property
+    def token_logit_bias(self) -> dict[int, float] | None:
+        return None if self.logit_bias is None else {int(token): bias for token, bias in self.logit_bias.items()}
 
     @field_validator("stop")
     @classmethod
@@ -115,6 +150,7 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -135,14 +171,21 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("echo is not supported")
         return echo
 
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix is not None:
+            raise ValueError("suffix is not supported")
+        return suffix
 
-class TextPart(BaseModel):
+
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    role: str = Field(min_length=1)
+class ChatMessage(RequestBody):
+    role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -174,6 +217,8 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message requires add_generation_prompt to be false")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is supported on /v1/completions only")
         return self
 
     @property
@@ -234,10 +279,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # vLLM's shape: per prompt position (None for the first), token id -> its logprob; only on the
+    # first chunk of a streamed choice.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     # vLLM's extension: the stop token id or stop string that ended the choice.
     stop_reason: int | str | None = None

@@ -12,25 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.engine.async_llm import AsyncLLM, SlowConsumerError
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.models.generation_config import SAMPLING_KEYS
 from kvpilot.runtime.request import SamplingParams
-from kvpilot.runtime.server.errors import APIError, bad_request
-from kvpilot.runtime.server.protocol import GenerationRequest, Usage
+from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
+from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
+from kvpilot.runtime.server.limits import ServerLimits
+from kvpilot.runtime.server.protocol import ChatMessage, GenerationRequest, Usage
+from kvpilot.runtime.server.streaming import StallingStreamingResponse
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
+from kvpilot.runtime.server.tokenizer_pool import PromptTooLong, TokenizerPool
 
 # JSON has no -inf; vLLM reports an impossible token's logprob as this.
 MIN_LOGPROB = -9999.0
@@ -61,8 +64,11 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, output: StreamOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
@@ -117,19 +123,58 @@ def engine_dead_error(err: EngineDeadError) -> APIError:
     return APIError(503, f"the engine is not running: {err}", code="engine_dead")
 
 
+def check_limits(limits: ServerLimits, body: GenerationRequest) -> None:
+    """400 for a request over one of the server's per-request limits."""
+    if body.n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n} (--max-n), got {body.n}", "n")
+    stop = body.stop_strings
+    if len(stop) > limits.max_stop_strings:
+        raise bad_request(f"at most {limits.max_stop_strings} stop strings are allowed (--max-stop-strings), "
+                          f"got {len(stop)}", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > limits.max_stop_string_length:
+        raise bad_request(f"stop strings may be at most {limits.max_stop_string_length} characters long "
+                          f"(--max-stop-string-length), got one of {longest}", "stop")
+    if len(body.stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"at most {limits.max_stop_token_ids} stop_token_ids are allowed "
+                          f"(--max-stop-token-ids), got {len(body.stop_token_ids)}", "stop_token_ids")
+
+
 class Serving:
     def __init__(self, engine: AsyncLLM, model_name: str, tenants: TenantRegistry | None,
-                 sampling_defaults: dict | None = None) -> None:
+                 limits: ServerLimits, tokenizers: TokenizerPool, sampling_defaults: dict | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tenants = tenants
+        self.limits = limits
+        self.tokenizers = tokenizers
         # The model's generation config: it replaces OpenAI's defaults, never a field the client set.
         self.sampling_defaults = sampling_defaults or {}
+        # Called once per request aborted because its client stopped reading (a metric).
+        self.on_slow_client: Callable[[], None] = lambda: None
 
     def _sampling_field(self, body: GenerationRequest, name: str):
         if name in body.model_fields_set or name not in self.sampling_defaults:
             return getattr(body, name)
         return self.sampling_defaults[name]
+
+    async def prompt_token_ids(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenized on the pool; 400 without tokenizing when the text is surely too long for the model."""
+        try:
+            return await self.tokenizers.encode(text, add_special_tokens=add_special_tokens,
+                                                max_tokens=self.engine.max_model_len)
+        except PromptTooLong as err:
+            raise bad_request(str(err), param) from err
+
+    async def chat_prompt_token_ids(self, template: ChatTemplate, messages: list[ChatMessage], *,
+                                    add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+        try:
+            prompt = await self.tokenizers.run(template.render, [m.as_template_input() for m in messages],
+                                               add_generation_prompt, continue_final_message)
+        except ChatTemplateError as err:
+            raise bad_request(str(err), "messages") from err
+        # The template writes the special tokens (BOS included) itself.
+        return await self.prompt_token_ids(prompt, add_special_tokens=False, param="messages")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -139,7 +184,8 @@ class Serving:
     def engine_request(self, body: GenerationRequest, prompt_token_ids: list[int], *, prompt_param: str,
                        max_tokens: int | None, logprobs: int | None, tenant: Tenant | None,
                        request_id: str) -> EngineRequest:
-        """Checks the request against the model and applies the tenant's priority and salt."""
+        """Checks the request against the model and the limits, and applies the tenant's priority and salt."""
+        check_limits(self.limits, body)
         max_model_len = self.engine.max_model_len
         num_prompt = len(prompt_token_ids)
         if max_tokens is None:
@@ -159,6 +205,7 @@ class Serving:
                 seed=body.seed, stop=body.stop_strings,
                 stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
+                prompt_logprobs=body.prompt_logprobs, logit_bias=body.token_logit_bias,
             )
             self.engine.validate(prompt_token_ids, params)
         except ValueError as err:
@@ -175,9 +222,12 @@ class Serving:
 
     async def respond(self, http_request: Request, request: EngineRequest, response_format: ResponseFormat,
                       *, stream: bool, include_usage: bool) -> Response:
+        # Each of the n choices is a sequence of the tenant's limit, held until the response ends.
+        http_request.state.sequences.acquire(request.params.n)
         if stream:
             events = self._events(request, response_format, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StallingStreamingResponse(events, self.limits.stream_stall_timeout_s, self.on_slow_client,
+                                             media_type="text/event-stream")
         try:
             collected = await _unless_disconnected(http_request, self._collect(request))
         except ValueError as err:
@@ -187,10 +237,11 @@ class Serving:
             return Response(status_code=499)
         return JSONResponse(response_format.response(*collected).model_dump())
 
-    def _generate(self, request: EngineRequest) -> AsyncIterator[StreamOutput]:
+    def _generate(self, request: EngineRequest, max_buffered_outputs: int | None = None
+                  ) -> AsyncIterator[StreamOutput]:
         return self.engine.generate(
             request.prompt_token_ids, request.params, request.request_id, priority=request.priority,
-            cache_salt=request.cache_salt, tenant=request.tenant,
+            cache_salt=request.cache_salt, tenant=request.tenant, max_buffered_outputs=max_buffered_outputs,
         )
 
     async def _collect(self, request: EngineRequest) -> tuple[list[Choice], Usage]:
@@ -209,16 +260,22 @@ class Serving:
         try:
             for chunk in response_format.opening_chunks():
                 yield _sse(chunk)
-            async with contextlib.aclosing(self._generate(request)) as outputs:
+            # Only a stream's consumer can stall (on its client); a collection always reads.
+            outputs = self._generate(request, self.limits.max_buffered_outputs)
+            async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     usage.add(output)
                     yield _sse(response_format.chunk(output))
         except ValueError as err:
-            yield _sse_error(bad_request(str(err)))
+            yield sse_error(bad_request(str(err)))
             return
         except EngineDeadError as err:
             # An error event, then the stream ends without [DONE]: the answer is incomplete.
-            yield _sse_error(engine_dead_error(err))
+            yield sse_error(engine_dead_error(err))
+            return
+        except SlowConsumerError as err:
+            self.on_slow_client()
+            yield sse_error(APIError(429, str(err), code="client_too_slow"))
             return
         if include_usage:
             yield _sse(response_format.usage_chunk(usage.usage()))
@@ -227,10 +284,6 @@ class Serving:
 
 def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
-
-
-def _sse_error(error: APIError) -> str:
-    return f"data: {json.dumps(error.body())}\n\n"
 
 
 async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T | None:

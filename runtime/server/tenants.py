@@ -1,4 +1,4 @@
-"""Tenants: who may call the server, at which engine priority, and how many requests at once.
+"""Tenants: who may call the server, at which engine priority, and how many sequences at once.
 
 The tenants file is YAML or JSON (the operator renders it from the InferenceEngine resource):
 
@@ -7,8 +7,9 @@ The tenants file is YAML or JSON (the operator renders it from the InferenceEngi
       apiKeys: ["sk-a-1"]            # inline keys, and/or
       apiKeyFiles: [keys/team-a]     # files holding one key each (Secret volumes); relative
                                      # paths are relative to the tenants file's folder
-      maxConcurrentRequests: 8       # absent or null: unlimited
-      allowRequestPriority: false    # true: a request's own `priority` field wins when given
+      maxConcurrentRequests: 8       # sequences in flight (n per request); absent or null: unlimited
+      allowRequestPriority: false    # true: a request's own `priority` field wins when given, clamped
+                                     # to [priority, +inf): never sooner than the tenant's own
 
 A mapping `{tenants: [...]}` is accepted as well as the bare list. Unknown fields are errors, so
 that a typo never silently lifts a limit.
@@ -50,8 +51,9 @@ class Tenant:
     allow_request_priority: bool = False
 
     def engine_priority(self, requested: int | None) -> int:
+        """A request may ask to run later than its tenant's priority, never sooner (lower is sooner)."""
         if self.allow_request_priority and requested is not None:
-            return requested
+            return max(requested, self.priority)
         return self.priority
 
 
@@ -74,7 +76,8 @@ def parse_tenants(text: str, path: Path) -> TenantsConfig:
     try:
         document = yaml.safe_load(text)  # YAML is a superset of JSON
     except yaml.YAMLError as err:
-        raise TenantsFileError(f"{path}: not valid YAML or JSON: {err}") from err
+        # Not str(err): it quotes the offending line, which may hold an inline API key.
+        raise TenantsFileError(f"{path}: not valid YAML or JSON{_where(err)}") from None
     if isinstance(document, dict) and set(document) == {"tenants"}:
         document = document["tenants"]
     if not isinstance(document, list):
@@ -86,6 +89,11 @@ def parse_tenants(text: str, path: Path) -> TenantsConfig:
         files.extend(key_files)
     _check_unique(tenants, path)
     return TenantsConfig(tuple(tenants), tuple(files))
+
+
+def _where(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    return "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def _parse_tenant(entry, where: str, base_dir: Path) -> tuple[Tenant, list[Path]]:
@@ -199,17 +207,21 @@ class TenantRegistry:
 
     # -- concurrency -----------------------------------------------------------------------------
 
-    def try_admit(self, tenant: Tenant) -> bool:
-        # The limit of the current config applies, even to a Tenant looked up before a reload.
-        current = self._by_name.get(tenant.name, tenant)
+    def limit(self, tenant: Tenant) -> int | None:
+        """The tenant's sequence limit; the current config's, even for a Tenant looked up before a reload."""
+        return self._by_name.get(tenant.name, tenant).max_concurrent_requests
+
+    def try_admit(self, tenant: Tenant, sequences: int = 1) -> bool:
+        """Take `sequences` of the tenant's limit (each of a request's n choices is one)."""
+        limit = self.limit(tenant)
         active = self._active.get(tenant.name, 0)
-        if current.max_concurrent_requests is not None and active >= current.max_concurrent_requests:
+        if limit is not None and active + sequences > limit:
             return False
-        self._active[tenant.name] = active + 1
+        self._active[tenant.name] = active + sequences
         return True
 
-    def release(self, tenant: Tenant) -> None:
-        remaining = self._active[tenant.name] - 1
+    def release(self, tenant: Tenant, sequences: int = 1) -> None:
+        remaining = self._active[tenant.name] - sequences
         if remaining:
             self._active[tenant.name] = remaining
         else:

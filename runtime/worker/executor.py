@@ -28,6 +28,7 @@ import torch
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvpilot.runtime.engine.parent_watch import kill_with_parent, remove_if_orphaned
 from kvpilot.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class MultiprocExecutor:
             raise ValueError(f"tensor_parallel_size={self.world_size} needs {self.world_size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvpilot-tp-")
+        remove_if_orphaned(self._rendezvous_dir)
         context = multiprocessing.get_context("spawn")
         self._pipes: list[Connection] = []
         self._workers = []
@@ -181,6 +183,8 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
     # The EngineCore decides when workers stop (EOF on the pipe), not signals to the process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Nor may a worker outlive the EngineCore, even one killed in the middle of a collective.
+    kill_with_parent()
     world_size = config.parallel.tensor_parallel_size
     if device_type == "cuda":
         device = torch.device("cuda", rank)

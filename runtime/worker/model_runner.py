@@ -131,9 +131,18 @@ class ModelRunner:
             min_p=_tensor(min_p, self.device) if (min_p > 0).any() else None,
             generators={i: self.batch.generators[r] for i, r in enumerate(req_ids) if r in self.batch.generators},
             max_num_logprobs=max(asked) if asked else None,
+            logit_bias=self._logit_bias(req_ids),
             all_greedy=bool(greedy.all()),
             all_random=not greedy.any(),
         )
+
+    def _logit_bias(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        entries = [(i, token, bias) for i, r in enumerate(req_ids) for token, bias in self.batch.logit_bias.get(r, {}).items()]
+        if not entries:
+            return None
+        rows, tokens, biases = zip(*entries)
+        return (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device),
+                torch.tensor(biases, dtype=torch.float32, device=self.device))
 
     def _prompt_logprobs(self, step: "_StepInputs", hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Logprobs of each prompt token given the ones before it, for this step's chunk of the prompt."""

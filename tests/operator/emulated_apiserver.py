@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import random
 import uuid
 from typing import Any
 
@@ -40,13 +41,27 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
         self._failures: list[tuple[str, str, int]] = []
+        self._flaky: tuple[float, tuple[int, ...], str, random.Random] | None = None
 
     def fail_next(self, method: str, plural: str, status: int = 500) -> None:
         """Answer the next `method` request on `plural` with `status`, changing nothing."""
         self._failures.append((method.upper(), plural, status))
 
+    def fail_share(self, share: float, statuses: tuple[int, ...], user_agent: str, seed: int = 0) -> None:
+        """Answer about `share` of the requests from `user_agent` with one of `statuses`, changing nothing."""
+        self._flaky = (share, statuses, user_agent, random.Random(seed))
+
+    def _flaky_failure(self, request: kmock.Request) -> int | None:
+        if self._flaky is None or request.headers.get("User-Agent") != self._flaky[2]:
+            return None
+        share, statuses, _, rng = self._flaky
+        return rng.choice(statuses) if rng.random() < share else None
+
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is not None:
+            flaky = self._flaky_failure(request)
+            if flaky is not None:
+                raise kmock.KubernetesError(status=flaky, reason="InjectedFailure", message="injected by the test")
             for failure in self._failures:
                 method, plural, status = failure
                 if request.method == method and request.resource.plural == plural:

@@ -6,9 +6,10 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import kmock
 import pytest
 
-from kvpilot.operator import handlers
+from kvpilot.operator import handlers, kube, naming
 from operator_harness import (
     CHILD_NAMES, CHILDREN, NAMESPACE, SPEC, Cluster, child, cluster, condition, created, eventually, key,
     operator, phase_is, run, tenants_file,
@@ -151,6 +152,42 @@ def test_reconcile_is_idempotent(tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_an_operator_restarted_in_the_middle_of_a_reconcile_converges_without_duplicates(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, service_monitors=True) as k:
+            async with operator():
+                await k.create_secret("prod-key", {"api-key": key("sk-prod")})
+                await k.create_engine("qwen", SPEC)
+                await eventually(lambda: _applies(k), "the first child applied")
+            # Stopped after its first apply: part of the children may exist.
+            async with operator():
+                await eventually(lambda: all(child(k, kind) for kind in CHILDREN), "every child")
+                await k.roll_out("qwen")
+                await eventually(lambda: phase_is(k, "Ready", 1), "Ready at generation 1")
+            for kind, resource in CHILDREN.items():
+                owned = [address for address, obj in k.server.objects.items()
+                         if address[0] == kmock.resource(resource) and not obj.deleted
+                         and any(ref["name"] == "qwen" for ref in obj.raw["metadata"].get("ownerReferences", []))]
+                assert len(owned) == 1, f"{kind}: {owned}"
+
+    run(scenario())
+
+
+def test_a_flaky_api_server_delays_the_reconcile_but_it_converges(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, service_monitors=True) as k:
+            # A third of the operator's own calls fail with a conflict or a server error.
+            k.server.fail_share(0.33, (409, 500, 503), user_agent=naming.FIELD_MANAGER, seed=3)
+            async with operator():
+                await k.create_secret("prod-key", {"api-key": key("sk-prod")})
+                await k.create_engine("qwen", SPEC)
+                await eventually(lambda: all(child(k, kind) for kind in CHILDREN), "every child, despite failures")
+                await k.roll_out("qwen")
+                await eventually(lambda: phase_is(k, "Ready", 1), "Ready, despite failures")
+
+    run(scenario())
+
+
 def _applies(k: Cluster) -> list[Any]:
     return [r for r in k.server if r.method == "PATCH" and "fieldManager=kvpilot-operator" in r.url.query_string]
 
@@ -170,12 +207,18 @@ def test_a_missing_tenant_secret_warns_and_is_picked_up_when_it_appears(tmp_path
             assert warning["type"] == "Warning"
             assert warning["message"] == "tenant prod: Secret prod-key does not exist"
             assert tenants_file(k)[0]["apiKeyFiles"] == []
+            # Not a failure: the engine serves, Degraded says what is missing.
+            degraded = await eventually(lambda: condition(k.engine("qwen"), "Degraded"), "a Degraded condition")
+            assert (degraded["status"], degraded["reason"]) == ("True", "TenantKeyMissing")
+            assert degraded["message"] == "tenant prod: Secret prod-key does not exist"
 
             await k.create_secret("prod-key", {"api-key": key("sk-prod")})
             await eventually(lambda: (child(k, "Secret") or {}).get("data") == {"prod": key("sk-prod")},
                              "the key, on a retry")
             await eventually(lambda: tenants_file(k)[0]["apiKeyFiles"] == ["/var/run/kvpilot/tenant-keys/prod"],
                              "the key file in the tenants file")
+            await eventually(lambda: condition(k.engine("qwen"), "Degraded")["status"] == "False",
+                             "Degraded to clear")
 
     run(scenario())
 
@@ -183,7 +226,9 @@ def test_a_missing_tenant_secret_warns_and_is_picked_up_when_it_appears(tmp_path
 def test_api_errors_are_reported_and_retried(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
-            k.server.fail_next("PATCH", "deployments", 503)
+            # One more failure than the client retries at once: the pass fails, and kopf retries it.
+            for _ in range(len(kube.RETRY_DELAYS_S) + 1):
+                k.server.fail_next("PATCH", "deployments", 503)
             await created(k)
             failures = await eventually(lambda: k.events("ReconcileFailed"), "a warning about the failure")
             assert len(failures) == 1 and failures[0]["type"] == "Warning"

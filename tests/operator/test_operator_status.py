@@ -195,3 +195,17 @@ def test_autoscaler_status_records_the_reading_the_decision_and_its_conditions()
     still = status.autoscaling({**before, "status": later}, decision(4, available=False, load=False),
                                now=T1 + (T1 - T0), scaled=False)
     assert condition(still, "MetricsAvailable")["lastTransitionTime"] == "2026-01-01T12:05:00Z"
+
+
+def test_missing_tenant_keys_degrade_the_engine_until_a_pass_finds_them() -> None:
+    problems = ["tenant prod: Secret prod-key does not exist"]
+    found = status.derive(engine(), deployment(), now=T0, problems=problems)
+    degraded = condition(found, "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "TenantKeyMissing", problems[0])
+    assert found["phase"] == "Ready"  # it serves, without the tenant whose key is missing
+    # A refresh that did not look (the Deployment follower) leaves the condition as it was.
+    observed = {**engine(), "status": found}
+    kept = status.derive(observed, deployment(), now=T0)
+    assert condition(kept, "Degraded") == degraded
+    cleared = status.derive(observed, deployment(), now=T0, problems=[])
+    assert condition(cleared, "Degraded")["status"] == "False"

@@ -488,6 +488,24 @@ def test_stop_checks_run_in_order(params, sampled, max_model_len, num_kept, reas
     assert all(not o.finished for o in h.outputs["r"][:-1])
 
 
+class _NoListScans(list):
+    """Stop ids that refuse a linear membership test, which costs per token what the list is long."""
+
+    def __contains__(self, item) -> bool:
+        raise AssertionError("stop_token_ids scanned as a list")
+
+
+def test_stop_token_ids_are_checked_in_constant_time():
+    h = Harness()
+    stop_ids = [9, *range(100, 1100)]
+    request = make_request("r", 4, max_tokens=10, stop_token_ids=stop_ids)
+    request.sampling_params.stop_token_ids = _NoListScans(stop_ids)
+    h.runner.scripts["r"] = [5, 6, 9, 7]
+    h.add(request)
+    h.run()
+    assert h.tokens("r") == [5, 6, 9] and request.stop_reason == 9
+
+
 # --- finish_requests ----------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.engine.async_llm import AsyncLLM, SlowConsumerError
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import FinishedRequestStats
 
@@ -131,6 +131,31 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks(engine, loop, stat_logg
     assert stats.kv_cache_usage == 0.0
     assert not engine.output_processor.has_unfinished_requests()
     assert [s.finish_reason for s in stat_logger.finished] == ["abort"] * 6
+
+
+def test_a_consumer_that_stops_reading_is_aborted_at_its_buffer_limit(engine, loop):
+    async def scenario():
+        stream = engine.generate(engine.encode(PROMPTS[2]), _greedy(max_tokens=400, n=2), "unread",
+                                 max_buffered_outputs=8)
+        await stream.__anext__()
+        # Not reading: the engine must stop working for it long before its 800 tokens.
+        stats = await _wait_idle(engine)
+        read = [output async for output in _until_error(stream)]
+        return stats, read
+
+    stats, read = loop.run_until_complete(scenario())
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+    assert not engine.output_processor.has_unfinished_requests()
+    # What was buffered is still delivered, then the error, and nothing after it.
+    assert 0 < len(read) - 1 <= 8 and isinstance(read[-1], SlowConsumerError)
+
+
+async def _until_error(stream):
+    try:
+        async for output in stream:
+            yield output
+    except SlowConsumerError as error:
+        yield error
 
 
 def test_bad_input_is_refused_before_queueing(engine, loop):

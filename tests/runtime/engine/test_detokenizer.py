@@ -70,3 +70,15 @@ def test_earliest_stop_string_wins_within_one_update(tokenizer):
     detokenizer = IncrementalDetokenizer(tokenizer, stop=["dog", "quick"])
     assert detokenizer.update(ids) == "quick"
     assert detokenizer.take_new_text(finished=True) == TEXT[: TEXT.index("quick")]
+
+
+def test_the_detokenizer_keeps_only_the_text_not_taken_yet(tokenizer):
+    # What a stop-string search touches per token is what is kept: it must not grow with the output.
+    ids = tokenizer.encode(TEXT * 400, add_special_tokens=False).ids
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=["never appears", "nor this one"])
+    kept = []
+    for token_id in ids:
+        assert detokenizer.update([token_id]) is None
+        detokenizer.take_new_text(finished=False)
+        kept.append(sum(len(value) for value in vars(detokenizer).values() if isinstance(value, str)))
+    assert max(kept) <= len("never appears") + max(len(tokenizer.decode([t])) for t in ids)

@@ -230,3 +230,18 @@ def test_top_p_that_rounds_to_zero_keeps_the_top_token():
     )
     sampled = Sampler()(logits, metadata, torch.Generator().manual_seed(0)).sampled_token_ids
     assert sampled.tolist() == [1]
+
+
+def test_logit_bias_steers_greedy_and_random_rows_but_not_the_logprobs():
+    logits = torch.randn(3, 50, generator=_seeded(1))
+    metadata = _metadata([0.0, 0.0, 1.0], generators={2: _seeded(2)}, max_num_logprobs=1)
+    favoured, banned = 7, int(logits[1].argmax())
+    # Row 0 and the random row 2 favour token 7; row 1 bans its own greedy pick.
+    metadata.logit_bias = (torch.tensor([0, 1, 2]), torch.tensor([favoured, banned, favoured]),
+                           torch.tensor([100.0, -100.0, 100.0]))
+    out = Sampler()(logits, metadata)
+    assert out.sampled_token_ids[0] == favoured and out.sampled_token_ids[2] == favoured
+    assert out.sampled_token_ids[1] == logits[1].topk(2).indices[1]
+    # The logprobs are the model's own (vLLM's raw_logprobs), bias or not.
+    raw = logits.log_softmax(dim=-1)
+    assert torch.allclose(out.logprobs.logprobs[:, 0], raw.gather(-1, out.sampled_token_ids.unsqueeze(-1))[:, 0])

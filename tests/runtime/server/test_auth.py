@@ -64,18 +64,28 @@ def test_with_tenants_the_server_key_runs_without_a_tenant(tenants):
 
 def test_the_tenant_header_counts_only_when_trusted(tenants):
     header = {"x-kvpilot-tenant": "b"}
-    assert Authenticator(None, tenants, True).authenticate(header).name == "b"
+    assert Authenticator("sk", tenants, True).authenticate({**header, **_bearer("sk")}).name == "b"
     # Untrusted, the header is ignored and the key decides.
-    untrusted = Authenticator(None, tenants, False)
+    untrusted = Authenticator("sk", tenants, False)
     _refused(untrusted, header)
     assert untrusted.authenticate({**header, **_bearer("key-a")}).name == "a"
 
 
-def test_a_trusted_header_still_needs_the_server_key_when_there_is_one(tenants):
+def test_trusting_the_header_needs_the_gateway_key(tenants):
+    # Without a gateway credential the header would be the whole authentication.
+    with pytest.raises(ValueError, match="--api-key"):
+        Authenticator(None, tenants, True)
+
+
+def test_a_trusted_header_counts_only_with_the_gateway_key(tenants):
     auth = Authenticator("sk", tenants, True)
     assert auth.authenticate({"x-kvpilot-tenant": "b", **_bearer("sk")}).name == "b"
     _refused(auth, {"x-kvpilot-tenant": "b"})
+    # A tenant's key never lets the header switch it to another tenant, nor to its own name.
     _refused(auth, {"x-kvpilot-tenant": "b", **_bearer("key-a")})
+    _refused(auth, {"x-kvpilot-tenant": "a", **_bearer("key-a")})
+    # Without the header, a tenant's key still names its tenant.
+    assert auth.authenticate(_bearer("key-a")).name == "a"
     assert _refused(auth, {"x-kvpilot-tenant": "zz", **_bearer("sk")}).code == "invalid_tenant"
 
 
@@ -94,6 +104,8 @@ def test_admin_token_is_checked_and_rereads_its_file(tmp_path):
     with pytest.raises(APIError) as raised:
         token.check(_bearer("second"))
     assert raised.value.status_code == 503
+    # The caller is not told where the token lives.
+    assert str(tmp_path) not in raised.value.message
 
 
 def test_admin_token_file_must_exist_and_hold_a_token(tmp_path):

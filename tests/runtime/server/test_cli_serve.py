@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from kvpilot.runtime import cli
+from kvpilot.runtime.server.limits import ServerLimits
 
 from server_harness import HTTP_TIMEOUT_S, start_server
 
@@ -33,6 +35,22 @@ def _usage_error(capsys, *argv: str) -> str:
 ])
 def test_bad_flags(capsys, argv, complaint):
     assert complaint in _usage_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--max-request-body-bytes", "0"], "argument --max-request-body-bytes: must be a positive integer"),
+    (["--max-n", "x"], "argument --max-n: invalid positive_int value"),
+    (["--stream-stall-timeout", "0"], "argument --stream-stall-timeout: must be a positive number"),
+])
+def test_bad_limits(capsys, argv, complaint):
+    assert complaint in _usage_error(capsys, *argv)
+
+
+def test_a_trusted_tenant_header_needs_the_gateway_key(capsys, tmp_path):
+    (tmp_path / "tenants.yaml").write_text("[{name: a, apiKeys: [k]}]")
+    error = _usage_error(capsys, str(tmp_path), "--tenants-file", str(tmp_path / "tenants.yaml"),
+                         "--trust-tenant-header")
+    assert "argument --trust-tenant-header: needs --api-key" in error
 
 
 def test_bad_files_are_named(capsys, tmp_path):

@@ -197,6 +197,22 @@ def test_stop_token_ids_end_the_choice(http, offline):
     assert body["usage"]["completion_tokens"] == token_ids.index(token_ids[3]) + 1
 
 
+def test_logit_bias_steers_the_choice(http, offline, tiny_llama_dir):
+    _, expected = offline
+    greedy = expected[PROMPTS[0]].outputs[0]
+    tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    favoured = next(t for t in tokenizer.encode(" river stone market", add_special_tokens=False).ids
+                    if t not in greedy.token_ids)
+    body = _greedy(prompt=PROMPTS[0], max_tokens=4)
+    biased = http.post("/v1/completions", json={**body, "logit_bias": {str(favoured): 100}}).json()
+    assert biased["choices"][0]["text"] == tokenizer.decode([favoured] * 4)
+    # Banning the greedy first token makes the choice start otherwise.
+    banned = http.post("/v1/completions", json={**body, "logit_bias": {str(greedy.token_ids[0]): -100},
+                                                "logprobs": 0}).json()
+    first = banned["choices"][0]["logprobs"]["tokens"][0]
+    assert first != tokenizer.decode([greedy.token_ids[0]])
+
+
 def test_completion_logprobs_match_the_offline_engine(http, offline):
     _, expected = offline
     reference = expected[PROMPTS[0]].outputs[0]
@@ -215,6 +231,24 @@ def test_completion_logprobs_match_the_offline_engine(http, offline):
     events = _stream(http, "/v1/completions", _greedy(prompt=PROMPTS[0], logprobs=2))
     streamed = [lp for e in events[:-1] for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == pytest.approx(logprobs["token_logprobs"], abs=1e-4)
+
+
+def test_prompt_logprobs_match_the_offline_engine(http, offline):
+    llm, _ = offline
+    [reference] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    body = http.post("/v1/completions", json=_greedy(prompt=PROMPTS[0], max_tokens=2, prompt_logprobs=2)).json()
+    served = body["choices"][0]["prompt_logprobs"]
+    assert len(served) == len(reference.prompt_token_ids) and served[0] is None
+    for position in range(1, len(served)):
+        expected = reference.prompt_logprobs[position]
+        assert set(served[position]) == {str(token) for token in expected}
+        for token, entry in expected.items():
+            got = served[position][str(token)]
+            assert got["logprob"] == pytest.approx(entry.logprob, abs=1e-4) and got["rank"] == entry.rank
+    # Streamed, they come once, on the first chunk.
+    events = _stream(http, "/v1/completions", _greedy(prompt=PROMPTS[0], max_tokens=2, prompt_logprobs=2))
+    firsts = [e["choices"][0]["prompt_logprobs"] for e in events[:-1]]
+    assert firsts[0] == served and all(first is None for first in firsts[1:])
 
 
 def test_chat_logprobs_list_the_top_alternatives(http):

@@ -36,11 +36,29 @@ def test_one_prompt_per_request(prompt, unwrapped):
     {"prompt": "x", "echo": True},
     {"prompt": "x", "stream_options": {"include_usage": True}},
     {"prompt": "x", "stop": ["a", ""]},
-    {"prompt": "x", "n": 129},
+    # Strict types: neither strings nor booleans pass for numbers, and no number is infinite.
+    {"prompt": "x", "max_tokens": "5"},
+    {"prompt": "x", "max_tokens": True},
+    {"prompt": [1, True]},
+    {"prompt": "x", "stop_token_ids": [False]},
+    {"prompt": "x", "stream": "yes"},
+    {"prompt": "x", "temperature": float("inf")},
+    {"prompt": "x", "top_p": float("nan")},
+    # Known fields this server does not honour are refused, not ignored.
+    {"prompt": "x", "suffix": "y"},
+    {"prompt": "x", "best_of": 2},
+    {"prompt": "x", "logit_bias": {"5": 101.0}},
+    {"prompt": "x", "logit_bias": {"five": 1.0}},
+    {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}},
+    {"prompt": "x", "prompt_logprobs": 21},
 ])
 def test_refused_completion_bodies(fields):
     with pytest.raises(ValidationError):
         CompletionRequest(**fields)
+
+
+def test_integers_pass_for_floats():
+    assert CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "top_p": 1}).temperature == 0.0
 
 
 def test_stop_and_stream_options():
@@ -62,6 +80,9 @@ def test_chat_token_limits_and_logprobs():
     {"messages": USER, "top_logprobs": 2},
     {"messages": USER, "continue_final_message": True},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": USER, "max_completion_tokens": "5"},
+    {"messages": USER, "prompt_logprobs": 1},
 ])
 def test_refused_chat_bodies(fields):
     with pytest.raises(ValidationError):

@@ -62,10 +62,14 @@ def test_v1_routes_need_a_valid_key(http):
     assert_openai_error(http.get("/v1/no-such-route"), 401)
     for key in [SERVER_API_KEY, *TENANT_KEYS.values()]:
         assert http.post("/v1/completions", json=SMALL, headers=_auth(key)).status_code == 200, key
-    # Outside /v1 nothing asks for a key (as in vLLM): probes, scrapes and tokenization.
+    # Only probes and scrapes need no key; tokenization costs work, so it does.
     for path in ["/health", "/metrics", "/version"]:
         assert http.get(path).status_code == 200
-    assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
+    for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
+        assert_openai_error(http.post(path, json=body), 401, code="invalid_api_key")
+        assert http.post(path, json=body, headers=_tenant("gold")).status_code == 200
+    assert_openai_error(http.get("/openapi.json"), 401)
+    assert_openai_error(http.get("/no-such-route"), 401)
 
 
 def test_a_trusted_header_names_the_tenant_but_the_server_key_is_still_required(tenant_server, http):
@@ -163,10 +167,11 @@ def test_tenant_priority_decides_who_runs_first(tenant_server, policy):
     queued = [
         (_tenant("bronze"), {}),                  # tenant priority 10
         (_tenant("gold"), {"priority": 100}),     # 0: gold may not set its own priority
-        (_tenant("flex"), {"priority": -5}),      # -5: flex may
+        (_tenant("flex"), {"priority": 20}),      # 20: flex may run later than its own 5
         (_tenant("flex"), {}),                    # 5: flex's own default
+        (_tenant("flex"), {"priority": -2**63}),  # 5: but never sooner
     ]
-    assert asyncio.run(_start_order(tenant_server.base_url, queued)) == [2, 1, 3, 0]
+    assert asyncio.run(_start_order(tenant_server.base_url, queued)) == [1, 3, 4, 0, 2]
 
 
 def test_policy_switch_under_load_reorders_the_queue_and_loses_nothing(tenant_server, http, policy):

@@ -88,11 +88,21 @@ def test_a_missing_file_is_refused(tmp_path):
         TenantRegistry(tmp_path / "nope.yaml")
 
 
+def test_a_broken_file_is_reported_by_position_never_by_its_content(tmp_path):
+    # A YAML error message quotes the offending line; here that line holds a key.
+    with pytest.raises(TenantsFileError) as raised:
+        parse_tenants("- name: a\n  apiKeys: [sk-live-123\n  priority: [", tmp_path / "tenants.yaml")
+    assert "sk-live-123" not in str(raised.value)
+    assert "line " in str(raised.value)
+
+
 def test_engine_priority_follows_the_tenant_unless_it_allows_the_request_field():
     strict = Tenant("s", priority=3)
     assert strict.engine_priority(None) == 3 and strict.engine_priority(-100) == 3
     relaxed = Tenant("r", priority=3, allow_request_priority=True)
-    assert relaxed.engine_priority(None) == 3 and relaxed.engine_priority(-100) == -100
+    assert relaxed.engine_priority(None) == 3 and relaxed.engine_priority(100) == 100
+    # Clamped: a request never outranks its own tenant.
+    assert relaxed.engine_priority(-100) == 3 and relaxed.engine_priority(-2**63) == 3
 
 
 @pytest.fixture
