@@ -10,6 +10,7 @@ import pytest
 
 from kvpilot.runtime import cli
 from kvpilot.runtime.models.generation_config import generation_defaults
+from kvpilot.runtime.server.limits import ServerLimits
 from kvpilot.runtime.server.protocol import CompletionRequest
 from kvpilot.runtime.server.serving import Serving
 
@@ -39,11 +40,12 @@ def test_a_path_reads_that_folders_file_and_a_bad_one_is_a_usage_error(tmp_path,
 
 def test_defaults_fill_only_the_fields_a_request_leaves_out():
     engine = SimpleNamespace(max_model_len=64, validate=lambda ids, params: None)
-    serving = Serving(engine, "m", None, {"temperature": 0.6, "top_k": 20})
+    serving = Serving(engine, "m", None, ServerLimits(), tokenizers=None,
+                      sampling_defaults={"temperature": 0.6, "top_k": 20})
     body = CompletionRequest(prompt="x", temperature=0.0)
     request = serving.engine_request(body, [1, 2], prompt_param="prompt", max_tokens=4, logprobs=None,
                                      tenant=None, request_id="r")
     assert (request.params.temperature, request.params.top_k, request.params.top_p) == (0.0, 20, 1.0)
-    plain = Serving(engine, "m", None).engine_request(CompletionRequest(prompt="x"), [1], prompt_param="prompt",
+    plain = Serving(engine, "m", None, ServerLimits(), tokenizers=None).engine_request(CompletionRequest(prompt="x"), [1], prompt_param="prompt",
                                                       max_tokens=4, logprobs=None, tenant=None, request_id="r")
     assert (plain.params.temperature, plain.params.top_k) == (1.0, 0)
