@@ -76,7 +76,7 @@ def derive(
         )
 
     if problems is not None:
-        conditions = _set_condition(
+        conditions = set_condition(
             conditions, DEGRADED, bool(problems), TENANT_KEY_MISSING if problems else "TenantKeysFound",
             "; ".join(problems) if problems else "every tenant's API key Secret is found", observed, stamp,
         )

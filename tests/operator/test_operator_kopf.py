@@ -9,7 +9,7 @@ from typing import Any
 import kmock
 import pytest
 
-from kvpilot.operator import handlers, kube, naming
+from kvpilot.operator import handlers, kube, naming, render
 from operator_harness import (
     CHILD_NAMES, CHILDREN, NAMESPACE, SPEC, Cluster, child, cluster, condition, created, eventually, key,
     operator, phase_is, run, tenants_file,
@@ -164,11 +164,16 @@ def test_an_operator_restarted_in_the_middle_of_a_reconcile_converges_without_du
                 await eventually(lambda: all(child(k, kind) for kind in CHILDREN), "every child")
                 await k.roll_out("qwen")
                 await eventually(lambda: phase_is(k, "Ready", 1), "Ready at generation 1")
-            for kind, resource in CHILDREN.items():
-                owned = [address for address, obj in k.server.objects.items()
-                         if address[0] == kmock.resource(resource) and not obj.deleted
-                         and any(ref["name"] == "qwen" for ref in obj.raw["metadata"].get("ownerReferences", []))]
-                assert len(owned) == 1, f"{kind}: {owned}"
+            # Exactly the objects the renderer names, once each: nothing made twice under other names.
+            rendered = render.children(k.engine("qwen"), tenant_keys={"prod": key("sk-prod")}, admin_token="t",
+                                       service_monitor=True)
+            for resource in set(CHILDREN.values()):
+                owned = sorted(address[2] for address, obj in k.server.objects.items()
+                               if address[0] == kmock.resource(resource) and not obj.deleted
+                               and any(ref["name"] == "qwen" for ref in obj.raw["metadata"].get("ownerReferences", [])))
+                plural = resource.rsplit("/", 1)[1]
+                expected = sorted(o["metadata"]["name"] for o in rendered if o["kind"].lower() + "s" == plural)
+                assert owned == expected and expected, resource
 
     run(scenario())
 
