@@ -42,7 +42,7 @@ def _strategy_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in NAMES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown) or text!r}: from {', '.join(NAMES)}")
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown) or repr(text)}: from {', '.join(NAMES)}")
     return names
 
 
