@@ -306,7 +306,10 @@ class Replica:
         self.sum_joined -= request.joined
 
     def _preempt(self) -> None:
-        running = self.prefilling + [r for _, entry, r in self.decoding if r.entry == entry]
+        # The heap drops its stale entries here, where it is walked anyway.
+        self.decoding = [item for item in self.decoding if item[2].entry == item[1]]
+        heapq.heapify(self.decoding)
+        running = self.prefilling + [r for *_, r in self.decoding]
         if self.policy == PRIORITY:
             victim = max(running, key=lambda r: (r.priority, r.arrival, r.admitted))
         else:
