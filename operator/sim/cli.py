@@ -163,7 +163,9 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(report.table(summaries))
     events = sum(s["events"] for s in summaries)
     wall = sum(s["wall_seconds"] for s in summaries)
-    print(f"{events} events in {wall:.1f} s: {events / wall:.0f} events/s")
+    cpu = sum(s["cpu_seconds"] for s in summaries)
+    print(f"{events} events in {wall:.1f} s ({cpu:.1f} s of CPU): {events / wall:.0f} events/s,"
+          f" {events / max(cpu, 1e-9):.0f} per CPU second")
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(

@@ -73,6 +73,8 @@ class Run:
     preemptions: int = 0
     events: int = 0
     wall_seconds: float = 0.0
+    # The process's CPU time: on a shared machine, what the run cost apart from waiting for a core.
+    cpu_seconds: float = 0.0
 
 
 class InvariantError(AssertionError):
@@ -170,7 +172,7 @@ class _Simulation:
         self.accounted_to = 0.0
 
     def run(self) -> Run:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         result = self.result
         trace = self.trace
         for _ in range(self.loop.replicas):
@@ -223,6 +225,7 @@ class _Simulation:
         result.events = handled + arrivals
         result.preemptions = sum(r.preemptions for r in self.replicas)
         result.wall_seconds = time.perf_counter() - started
+        result.cpu_seconds = time.process_time() - cpu
         return result
 
     def _arrive(self, index: int, now: float, prompt: int, output: int, tenant: int, route: float) -> None:

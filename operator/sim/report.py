@@ -47,7 +47,9 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
         "arrival_rate": len(trace) / duration,
         "events": run.events,
         "wall_seconds": run.wall_seconds,
+        "cpu_seconds": run.cpu_seconds,
         "events_per_second": run.events / run.wall_seconds if run.wall_seconds else None,
+        "events_per_cpu_second": run.events / run.cpu_seconds if run.cpu_seconds else None,
     }
 
 
