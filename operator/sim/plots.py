@@ -23,8 +23,11 @@ def timeline(series: Mapping[str, Mapping[str, list]], path: Path, title: str) -
     figure, (top, bottom) = pyplot.subplots(2, 1, sharex=True, figsize=(11, 7))
     for name, s in series.items():
         hours = [t / 3600 for t in s["time"]]
-        (line,) = top.plot(hours, [r + st for r, st in zip(s["ready"], s["starting"])], label=name, linewidth=1)
-        bottom.plot(hours, s["waiting"], color=line.get_color(), linewidth=1)
+        # A tuned strategy dashed over its untuned twin, which it often matches.
+        style = "--" if name.endswith("+auto") else "-"
+        (line,) = top.plot(hours, [r + st for r, st in zip(s["ready"], s["starting"])], style, label=name,
+                           linewidth=1)
+        bottom.plot(hours, s["waiting"], style, color=line.get_color(), linewidth=1)
     top.set_ylabel("replicas (ready + starting)")
     bottom.set_ylabel("requests waiting (fleet)")
     bottom.set_xlabel("hours")
