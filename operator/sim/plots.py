@@ -41,10 +41,13 @@ def timeline(series: Mapping[str, Mapping[str, list]], path: Path, title: str) -
 def cost_vs_slo(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
     pyplot = _pyplot()
     figure, axes = pyplot.subplots(figsize=(7, 5))
+    # Strategies that land on one point (a tuner that never acted) share one label.
+    points: dict[tuple[float, float], list[str]] = {}
     for s in summaries:
-        axes.scatter(s["replica_hours"], 100 * s["slo_attainment"])
-        axes.annotate(s["strategy"], (s["replica_hours"], 100 * s["slo_attainment"]), fontsize=7,
-                      xytext=(3, 3), textcoords="offset points")
+        points.setdefault((round(s["replica_hours"], 6), round(100 * s["slo_attainment"], 6)), []).append(s["strategy"])
+    for (cost, slo), names in points.items():
+        axes.scatter(cost, slo)
+        axes.annotate(", ".join(names), (cost, slo), fontsize=7, xytext=(3, 3), textcoords="offset points")
     axes.set_xlabel("replica-hours")
     axes.set_ylabel(f"TTFT within {summaries[0]['ttft_slo_s']:g} s (% of requests)" if summaries else "SLO %")
     axes.set_title(title)
