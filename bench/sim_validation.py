@@ -54,10 +54,12 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], output: int, start:
 
 
 async def _waiting(client: httpx.AsyncClient, into: list[float], stop: asyncio.Event) -> None:
-    while not stop.is_set():
+    while True:  # at least one sample, however short the run
         page = (await client.get("/metrics")).text
         into.append(sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                         if line.startswith("vllm:num_requests_waiting")))
+        if stop.is_set():
+            return
         await asyncio.sleep(SAMPLE_SECONDS)
 
 
