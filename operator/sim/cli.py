@@ -8,18 +8,11 @@ import json
 import math
 from pathlib import Path
 
-from kvpilot.runtime.argtypes import non_negative_float, positive_int
+from kvpilot.runtime.argtypes import non_negative_float, positive_float, positive_int
 
 BUILTIN_TRACES = ("poisson", "diurnal", "flash-crowd", "two-tenant")
 # The two-tenant mix's tenants, as CRD priorities (higher = more important).
 TWO_TENANT_PRIORITIES = {"interactive": 1, "batch": 0}
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -57,10 +50,10 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     load.add_argument("--trace", default="poisson", metavar="|".join(BUILTIN_TRACES) + "|FILE",
                       help="a built-in generator, or a CSV/JSONL file with timestamp,tenant,prompt_tokens,output_tokens "
                            "(see examples/sim/)")
-    load.add_argument("--rate", type=_positive_float, default=10.0, metavar="RPS",
+    load.add_argument("--rate", type=positive_float, default=10.0, metavar="RPS",
                       help="generators: the mean (poisson, diurnal), base (flash-crowd: 10x in its middle third) or "
                            "batch flood (two-tenant: interactive at a fifth of it) rate")
-    load.add_argument("--duration", type=_positive_float, metavar="SECONDS",
+    load.add_argument("--duration", type=positive_float, metavar="SECONDS",
                       help="generators: the trace's length (default: 86400 for diurnal, else 3600)")
     load.add_argument("--prompt-tokens", type=positive_int, default=512, help="generators: mean prompt length")
     load.add_argument("--output-tokens", type=positive_int, default=256, help="generators: mean output length")
@@ -76,7 +69,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     fleet.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     fleet.add_argument("--startup-seconds", type=non_negative_float, default=120.0,
                        help="from spec.replicas to a ready replica (image pull, weight load)")
-    fleet.add_argument("--request-timeout", type=_positive_float, default=60.0, metavar="SECONDS",
+    fleet.add_argument("--request-timeout", type=positive_float, default=60.0, metavar="SECONDS",
                        help="a request without its first token by then is given up (timed out)")
 
     control = sim.add_argument_group("control (spec.autoscaling, spec.scheduling)")
@@ -86,14 +79,14 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     control.add_argument("--min-replicas", type=positive_int, default=1)
     control.add_argument("--max-replicas", type=positive_int, default=100)
     control.add_argument("--target-kv-cache-usage", type=_fraction, default=0.8)
-    control.add_argument("--target-queue-depth", type=_positive_float, default=5.0)
-    control.add_argument("--interval-seconds", type=_positive_float, default=15.0)
+    control.add_argument("--target-queue-depth", type=positive_float, default=5.0)
+    control.add_argument("--interval-seconds", type=positive_float, default=15.0)
     control.add_argument("--scale-up-stabilization-seconds", type=non_negative_float, default=0.0)
     control.add_argument("--scale-down-stabilization-seconds", type=non_negative_float, default=300.0)
     control.add_argument("--calm-window-seconds", type=non_negative_float, default=300.0)
 
     out = sim.add_argument_group("output")
-    out.add_argument("--ttft-slo", type=_positive_float, default=1.0, metavar="SECONDS",
+    out.add_argument("--ttft-slo", type=positive_float, default=1.0, metavar="SECONDS",
                      help="a request meets its SLO when its first token comes within this")
     out.add_argument("--result-json", type=Path, metavar="PATH", help="write every strategy's figures and series here")
     out.add_argument("--plot-dir", type=Path, metavar="DIR", help="write timeline.png and cost_vs_slo.png here")
@@ -123,6 +116,9 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from kvpilot.operator.sim import fleet, profile, report, strategies, trace
 
+    for flag in ("rate", "duration"):
+        if not math.isfinite(getattr(args, flag) or 0.0):
+            parser.error(f"argument --{flag}: must be finite")
     try:
         if args.trace in BUILTIN_TRACES:
             duration = args.duration or (trace.DAY if args.trace == "diurnal" else 3600.0)

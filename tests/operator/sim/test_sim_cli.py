@@ -57,6 +57,7 @@ def test_a_trace_file_is_read_in_either_format(tmp_path, capsys):
     (["--min-replicas", "5", "--max-replicas", "2"], "must not exceed --max-replicas"),
     (["--trace", "poisson", "--tenant-priority", "batch=1"], "the trace has no tenant batch"),
     (["--rate", "0"], "must be a positive number"),
+    (["--rate", "inf"], "argument --rate: must be finite"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit:
