@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Stdlib only: the engine's and the server's settings for `serve`, without torch or fastapi.
+from kvpilot.operator.sim.cli import add_simulate
 from kvpilot.runtime.argtypes import non_negative_float, positive_float, positive_int
 from kvpilot.runtime.benchmarks.cli import add_bench
 from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting, SchedulingPolicy
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
     add_bench(commands)
+    add_simulate(commands)
     _add_make_tiny_model(commands)
     _add_operator(commands)
     return parser

@@ -1,0 +1,86 @@
+"""A run's figures: cost, latency, SLO attainment, what was lost, and how often it scaled."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpilot.operator.sim.fleet import DROPPED, SERVED, TIMED_OUT, Run
+
+
+def _percentile(values: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
+    trace = run.trace
+    ttft = run.first_token - trace.time
+    served = run.outcome == SERVED
+    started = ~np.isnan(ttft)
+    e2e = (run.finish - trace.time)[served]
+    # A request dropped, timed out or late misses its SLO.
+    within = np.count_nonzero(started & (ttft <= ttft_slo))
+    per_tenant = {
+        name: _percentile(ttft[started & (trace.tenant == code)], 99) for code, name in enumerate(trace.tenants)
+    }
+    duration = trace.duration
+    return {
+        "strategy": run.strategy,
+        "requests": len(trace),
+        "served": int(served.sum()),
+        "dropped": int((run.outcome == DROPPED).sum()),
+        "timed_out": int((run.outcome == TIMED_OUT).sum()),
+        "replica_hours": run.replica_seconds / 3600,
+        "ttft_p50_s": _percentile(ttft[started], 50),
+        "ttft_p99_s": _percentile(ttft[started], 99),
+        "e2e_p99_s": _percentile(e2e, 99),
+        "ttft_slo_s": ttft_slo,
+        "slo_attainment": within / len(trace) if len(trace) else math.nan,
+        "scale_events": run.scale_events,
+        "max_replicas": max(r + s for r, s in zip(run.series.ready, run.series.starting)) if run.series.time else 0,
+        "preemptions": run.preemptions,
+        "ttft_p99_s_by_tenant": per_tenant,
+        "mean_in_system": float(np.mean(run.series.in_system)) if run.series.time else 0.0,
+        "arrival_rate": len(trace) / duration,
+        "events": run.events,
+        "wall_seconds": run.wall_seconds,
+        "cpu_seconds": run.cpu_seconds,
+        "events_per_second": run.events / run.wall_seconds if run.wall_seconds else None,
+        "events_per_cpu_second": run.events / run.cpu_seconds if run.cpu_seconds else None,
+    }
+
+
+def _cell(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def table(summaries: Sequence[dict[str, Any]]) -> str:
+    """A markdown table, one row per strategy."""
+    tenants = sorted({name for s in summaries for name in s["ttft_p99_s_by_tenant"]})
+    header = ["strategy", "replica-h", "TTFT p50 s", "TTFT p99 s", "e2e p99 s", "SLO", "dropped", "timed out",
+              "scale events", "max replicas"]
+    if len(tenants) > 1:
+        header += [f"TTFT p99 s {name}" for name in tenants]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in summaries:
+        cells = [s["strategy"], _cell(s["replica_hours"], 4), _cell(s["ttft_p50_s"]), _cell(s["ttft_p99_s"]),
+                 _cell(s["e2e_p99_s"]), f"{100 * s['slo_attainment']:.1f} %", str(s["dropped"]), str(s["timed_out"]),
+                 str(s["scale_events"]), str(s["max_replicas"])]
+        if len(tenants) > 1:
+            cells += [_cell(s["ttft_p99_s_by_tenant"].get(name)) for name in tenants]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def series(run: Run) -> dict[str, list]:
+    s = run.series
+    return {"time": s.time, "ready": s.ready, "starting": s.starting, "draining": s.draining, "desired": s.desired,
+            "waiting": s.waiting, "in_system": s.in_system, "kv_cache_usage": s.kv_cache_usage,
+            "priority": s.priority}

@@ -1,0 +1,111 @@
+"""How a fleet's replicas and scheduling policy are chosen, once per control interval.
+
+Every strategy has one shape, `ControlLoop`, which does what the operator's control loop does
+with one interval's reading (control.py: the autoscaler first, then the tuner, which judges
+whether the engine can still scale from the replicas the interval began with). They differ
+only in the spec they carry:
+- `kvpilot`: autoscaling on, with both of autoscaler.decide's terms (KV-cache usage and queue);
+- `queue-only`: the same decide() with the KV term switched off (its target infinite). That is
+  what a KEDA Prometheus trigger on vllm:num_requests_waiting does: the HPA computes
+  ceil(total waiting / target), scales up by at most max(100 %, 4 pods) per period and down over
+  a 300 s stabilization window, which is decide()'s arithmetic on the queue term alone;
+- `kv-only`: the queue term switched off;
+- `static-peak`, `static-mean`: autoscaling off, a fixed count;
+and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.operator import autoscaler, samples, tuner
+
+BASES = ("static-peak", "static-mean", "queue-only", "kv-only", "kvpilot")
+TUNED = "+auto"
+NAMES = tuple(name + suffix for name in BASES for suffix in ("", TUNED))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """spec.autoscaling and spec.scheduling's fields, as the CRD defaults them."""
+
+    min_replicas: int = 1
+    max_replicas: int = 10
+    target_kv_cache_usage: float = 0.8
+    target_queue_depth: float = 5.0
+    interval_seconds: float = 15.0
+    scale_up_stabilization_seconds: float = 0.0
+    scale_down_stabilization_seconds: float = 300.0
+    calm_window_seconds: float = 300.0
+
+
+@dataclass
+class ControlLoop:
+    name: str
+    spec: dict[str, Any]  # shaped as an InferenceEngine's spec, as the API server serves it
+    # The tuner's view of the spec: the queue target as set, whichever term the autoscaler drops.
+    tuner_spec: dict[str, Any]
+    history: tuple[tuple[float, int], ...] = ()
+    tuner_state: tuner.TunerState = field(default_factory=tuner.TunerState)
+
+    @property
+    def replicas(self) -> int:
+        return self.spec["replicas"]
+
+    @property
+    def autoscaled(self) -> bool:
+        return bool(self.spec["autoscaling"]["enabled"])
+
+    def decide(self, ready: list[str], starting: int, reading: samples.Reading, now: float) -> tuple[int, str]:
+        """One interval: (spec.replicas, the effective scheduling policy)."""
+        spec = self.spec
+        replicas = spec["replicas"]
+        if self.autoscaled:
+            decision = autoscaler.decide(autoscaler.Policy.from_spec(spec["autoscaling"]), replicas, ready, starting,
+                                         reading, self.history, now)
+            self.history = decision.history
+            replicas = decision.replicas
+        policy = spec["scheduling"]["policy"]
+        if policy == tuner.AUTO:
+            depths = tuner.queue_depths(reading, ready, now=now, interval_seconds=spec["autoscaling"]["intervalSeconds"])
+            view = self.tuner_spec
+            view["replicas"] = spec["replicas"]
+            chosen = tuner.decide_policy(view, can_scale=tuner.can_scale_further(view), queue_depths=depths,
+                                         previous=self.tuner_state, now=now)
+            self.tuner_state = chosen.state
+            policy = chosen.policy
+        spec["replicas"] = replicas
+        return replicas, policy
+
+
+def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) -> ControlLoop:
+    """The strategy called `name` (one of NAMES); `peak` and `mean` are the static counts, and
+    the autoscaled ones start from `initial` replicas."""
+    base, tuned = (name[: -len(TUNED)], True) if name.endswith(TUNED) else (name, False)
+    if base not in BASES:
+        raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}")
+    kv, queue = settings.target_kv_cache_usage, settings.target_queue_depth
+    if base == "queue-only":
+        kv = math.inf
+    elif base == "kv-only":
+        queue = math.inf
+    static = {"static-peak": peak, "static-mean": mean}.get(base)
+    spec = {
+        "replicas": static if static is not None else min(settings.max_replicas, max(settings.min_replicas, initial)),
+        "autoscaling": {
+            "enabled": static is None,
+            "minReplicas": settings.min_replicas,
+            "maxReplicas": settings.max_replicas,
+            "targetKVCacheUsage": kv,
+            "targetQueueDepth": queue,
+            "intervalSeconds": settings.interval_seconds,
+            "scaleUpStabilizationSeconds": settings.scale_up_stabilization_seconds,
+            "scaleDownStabilizationSeconds": settings.scale_down_stabilization_seconds,
+        },
+        "scheduling": {"policy": tuner.AUTO if tuned else tuner.CALM_POLICY,
+                       "calmWindowSeconds": settings.calm_window_seconds},
+    }
+    tuner_spec = {**spec, "autoscaling": {**spec["autoscaling"], "targetQueueDepth": settings.target_queue_depth}}
+    return ControlLoop(name, spec, tuner_spec)
