@@ -12,21 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
+from kvpilot.runtime.benchmarks.local_server import local_server
 from kvpilot.runtime.tiny_model import make_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
@@ -63,30 +55,10 @@ def main() -> None:
     model_dir = args.model or str(make_tiny_model(
         tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=2048))
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvpilot.runtime.cli", "serve", model_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--served-model-name", "bench"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
+    with local_server(model_dir, "--served-model-name", "bench") as base_url:
         prompts = [f"Request {i}: the morning train to the coast was late again, so" for i in range(args.num_requests)]
         sequential = asyncio.run(_measure(base_url, prompts, args.max_tokens, concurrent=False))
         concurrent = asyncio.run(_measure(base_url, prompts, args.max_tokens, concurrent=True))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     print(f"model: {model_dir}")
     print()
     print("| workload | concurrent | one at a time | speed-up |")

