@@ -207,6 +207,8 @@ class SchedulerConfig:
     policy: SchedulingPolicy = setting(
         SchedulingPolicy.FCFS, "initial policy (switchable live via /admin)",
         choices=tuple(SchedulingPolicy), arg="scheduling_policy")
+    async_scheduling: bool = setting(
+        False, "schedule the next step while the current one runs (outputs are the same as without)")
 
 
 @dataclass

@@ -127,6 +127,10 @@ class Request:
         self.cache_salt = cache_salt
         # Checked after every sampled token: a set, so that a long list costs nothing per token.
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # Every token that can stop the request once min_tokens are out: one lookup per token.
+        self.stopping_token_ids = self.stop_token_ids
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            self.stopping_token_ids = self.stop_token_ids | {eos_token_id}
 
         # Tokens this request may produce at most: max_tokens, bounded by the model length.
         limit = sampling_params.max_tokens
@@ -141,6 +145,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled but not yet received (at most one per step in flight):
+        # under async scheduling the next step is scheduled before the last one's token is known.
+        self.num_output_placeholders = 0
         # Prompt tokens served from the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -168,9 +175,9 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

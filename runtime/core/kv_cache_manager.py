@@ -59,9 +59,18 @@ class KVCacheManager:
 
         Returns the newly allocated blocks, or None, with nothing changed, when they do not fit.
         """
-        new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        # The common step of a running request: its tokens still fit the blocks it holds, and no
+        # block has become full since it was last published, so there is nothing to allocate or hash.
+        if (req_blocks is not None and not new_computed_blocks
+                and num_tokens <= len(req_blocks) * self.block_size
+                and (not self.enable_caching
+                     or num_tokens // self.block_size <= self.num_cached_blocks[request.request_id])):
+            return []
+        new_computed_blocks = new_computed_blocks or []
+        if req_blocks is None:
+            req_blocks = []
         num_required = -(-num_tokens // self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # Hit blocks that nobody holds sit in the free queue: claiming them uses up free blocks.

@@ -75,6 +75,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
 
         step = _StepInputs.build(self.batch, scheduler_output.num_scheduled_tokens, self.block_size)
+        # The scheduler advances its counts the same way and ships none for a plain decode.
+        self.batch.num_computed_tokens[step.rows] = step.seq_lens
         metadata = step.attention_metadata(self.device)
         hidden = self.model(
             _tensor(step.input_ids, self.device),
@@ -116,7 +118,6 @@ class ModelRunner:
         for cached in scheduler_output.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
-            self.batch.num_computed_tokens[row] = cached.num_computed_tokens
         self.batch.condense()
 
     def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:

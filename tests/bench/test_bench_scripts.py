@@ -17,8 +17,10 @@ TINY_ARGS = {
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
     # Calibration and the real server both run; the accuracy needs the full run (BENCHMARKS.md).
     "sim_validation.py": ["--short"],
+    # Against HEAD, which any checkout has (the default baseline is a fixed older commit).
+    "scheduler_overhead.py": ["--baseline", "HEAD", "--running", "4", "8", "--steps", "3", "--repeats", "1"],
 }
-MODEL_FREE = {"kernels.py"}
+MODEL_FREE = {"kernels.py", "scheduler_overhead.py"}
 
 
 def test_every_script_has_a_tiny_mode():

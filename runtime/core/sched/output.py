@@ -23,16 +23,20 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request that already has a row: only what changed since the last step."""
+    """A request that already has a row and gained blocks this step.
+
+    A running request without new blocks ships only its count in `num_scheduled_tokens`: the
+    runner advances each row's computed tokens by the counts it runs.
+    """
 
     req_id: str
     new_block_ids: list[int]
-    num_computed_tokens: int
 
 
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
+    # Only the running requests that gained blocks (see CachedRequestData).
     scheduled_cached_reqs: list[CachedRequestData]
     # Tokens to compute this step, per request; the sum is within max_num_batched_tokens.
     num_scheduled_tokens: dict[str, int]

@@ -52,6 +52,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
+        max_model_len = self.config.max_model_len
+        if max_model_len is not None:
+            request.max_tokens = min(request.max_tokens, max_model_len - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
@@ -73,77 +76,71 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        # Running requests scheduled this step, with the blocks they gained.
-        cached_new_blocks: dict[str, list[int]] = {}
+        # Only the running requests that gained blocks: the rest ship nothing but their count.
+        cached_reqs: dict[str, CachedRequestData] = {}
         preempted: list[str] = []
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        running_status = RequestStatus.RUNNING
 
         for request in list(self.running.values()):
             if budget == 0:
                 break
             # A victim of an earlier preemption in this loop.
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running_status:
+                continue
+            # Under async scheduling the tokens in flight may already be all it may produce.
+            placeholders = request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders >= request.max_tokens:
                 continue
             num_new = self._chunk(request, budget)
-            while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            while (blocks := allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
-                    del cached_new_blocks[victim.request_id]
+                    cached_reqs.pop(victim.request_id, None)
                 if victim is request:
                     break
             if blocks is None:
                 continue
             num_scheduled[request.request_id] = num_new
-            cached_new_blocks[request.request_id] = [b.block_id for b in blocks]
+            if blocks:
+                cached_reqs[request.request_id] = CachedRequestData(request.request_id, [b.block_id for b in blocks])
             budget -= num_new
 
-        admitted = [] if preempted else self._admit_waiting(budget, num_scheduled)
-
+        new_reqs = [] if preempted else self._admit_waiting(budget, num_scheduled)
         output = SchedulerOutput(
-            scheduled_new_reqs=[
-                NewRequestData(
-                    req_id=r.request_id,
-                    token_ids=list(r.all_token_ids),
-                    num_prompt_tokens=r.num_prompt_tokens,
-                    sampling_params=r.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                    num_computed_tokens=r.num_computed_tokens,
-                )
-                for r in admitted
-            ],
-            scheduled_cached_reqs=[
-                CachedRequestData(
-                    req_id=req_id,
-                    new_block_ids=block_ids,
-                    num_computed_tokens=self.requests[req_id].num_computed_tokens,
-                )
-                for req_id, block_ids in cached_new_blocks.items()
-            ],
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=list(cached_reqs.values()),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
         )
         self._finished_req_ids = []
-        # The output carries the counts at the start of the step; from here on they include
-        # what this step computes.
+        # The output carries the counts at the start of the step; from here on they include what
+        # this step computes. A request that reaches its end samples a token not known until the
+        # step's output comes back: a placeholder until then.
+        requests = self.requests
         for req_id, num_new in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_new
+            request = requests[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         return output
 
     def _chunk(self, request: Request, budget: int, num_hit: int = 0) -> int:
         # A prefix hit is capped at num_tokens - 1, so at least one token is left to compute.
-        num_new = request.num_tokens - request.num_computed_tokens - num_hit
+        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[Request]:
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
         """Admit from the head of the waiting queue until budget, seats or blocks run out."""
-        admitted: list[Request] = []
+        admitted: list[NewRequestData] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
             # Waiting requests hold no KV: new ones have none yet, preempted ones gave it back.
@@ -160,7 +157,14 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            admitted.append(request)
+            admitted.append(NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit,
+            ))
         return admitted
 
     def _pick_victim(self) -> Request:
@@ -188,20 +192,27 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         mro = model_runner_output
+        requests = self.requests
+        all_prompt_logprobs = mro.prompt_logprobs
         for index, req_id in enumerate(mro.req_ids):
-            request = self.requests.get(req_id)
-            # Aborted after the step was scheduled: the caller reports it.
+            sampled = mro.sampled_token_ids[index]
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
+            # A prefill chunk that samples nothing changes nothing here.
+            if not sampled and prompt_logprobs is None:
+                continue
+            request = requests.get(req_id)
+            # Finished or aborted after the step was scheduled: whatever it sampled is not its own.
             if request is None:
                 continue
             new_token_ids: list[int] = []
-            for token_id in mro.sampled_token_ids[index]:
-                request.append_output_token_ids([token_id])
+            for token_id in sampled:
+                request.num_output_placeholders -= 1
+                # Request.append_output_token_id, inlined: this loop runs for every token.
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            prompt_logprobs = mro.prompt_logprobs.get(req_id)
-            if not new_token_ids and prompt_logprobs is None and not request.is_finished:
-                continue
             logprobs = mro.logprobs[index]
             outputs.append(
                 EngineCoreOutput(
@@ -209,31 +220,29 @@ class Scheduler:
                     new_token_ids=new_token_ids,
                     new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
                     new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.finish_reason,
+                    finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
-            if request.is_finished:
-                del self.running[req_id]
+            if request.status.is_finished:
+                # A request preempted while this step ran waits to resume, and can finish there.
+                if self.running.pop(req_id, None) is None:
+                    self.waiting.remove_request(request)
                 self._forget(request)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set the finished status if `token_id`, just appended, ends the request."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token_id in request.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
+        num_output = len(request.output_token_ids)
+        if token_id in request.stopping_token_ids and num_output >= request.sampling_params.min_tokens:
+            request.status = RequestStatus.FINISHED_STOPPED
+            # EOS comes first: it names no stop reason even when it is a stop token id as well.
+            if token_id != request.eos_token_id or request.sampling_params.ignore_eos:
                 request.stop_reason = token_id
-                return True
-        max_model_len = self.config.max_model_len
-        if request.num_output_tokens >= request.max_tokens or (
-            max_model_len is not None and request.num_tokens >= max_model_len
-        ):
+            return True
+        # max_tokens is bounded by the room the model length leaves (add_request).
+        if num_output >= request.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

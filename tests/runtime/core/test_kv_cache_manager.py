@@ -246,7 +246,7 @@ def test_decode_grows_the_block_list_one_block_at_a_time() -> None:
     assert manager.get_block_ids("a") == [1, 2]
 
     for token, expected_new in [(7, []), (8, [3]), (9, []), (10, []), (11, []), (12, [4])]:
-        a.append_output_token_ids([token])
+        a.append_output_token_id(token)
         new_blocks = manager.allocate_slots(a, 1)
         assert [block.block_id for block in new_blocks] == expected_new
         a.num_computed_tokens += 1
@@ -271,7 +271,7 @@ def test_preempted_request_finds_its_own_blocks_including_output_tokens() -> Non
     a = make_request("a", list(range(6)))
     admit(manager, a)
     for token in (6, 7, 8):
-        a.append_output_token_ids([token])
+        a.append_output_token_id(token)
         manager.allocate_slots(a, 1)
         a.num_computed_tokens += 1
 
@@ -303,7 +303,7 @@ def test_prefix_cache_stats_count_admissions_only() -> None:
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (10, 0)
 
     # A decode step is not a query.
-    a.append_output_token_ids([10])
+    a.append_output_token_id(10)
     manager.allocate_slots(a, 1)
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (10, 0)
 
@@ -360,7 +360,8 @@ def test_extend_block_hashes_chains_full_blocks_only_and_is_incremental() -> Non
     first = hash_block_tokens(None, [0, 1, 2, 3], ("s",))
     assert request.block_hashes == [first]
 
-    request.append_output_token_ids([6, 7, 8])
+    for token in (6, 7, 8):
+        request.append_output_token_id(token)
     extend_block_hashes(request, BLOCK_SIZE)
     assert request.block_hashes == [first, hash_block_tokens(first, [4, 5, 6, 7], None)]
 

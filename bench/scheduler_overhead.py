@@ -1,0 +1,160 @@
+"""Scheduler overhead per running request per step: this tree against a baseline revision, side by side.
+
+A pure-scheduler loop, no model: N requests decode together (prompts of 100 tokens, block size 16,
+prefix caching on, stop token ids set, no EOS in sight), and a fake runner samples one token for
+every request whose tokens are all computed. Only `schedule()` and `update_from_output()` are
+timed; the figure is their cost divided by running requests and steps. The baseline is another
+revision's runtime (default: the commit before the bookkeeping work), taken out of git into a
+temporary folder; each side runs in its own subprocess and the repetitions interleave.
+
+    .venv/bin/python bench/scheduler_overhead.py [--baseline REV] [--running 64 256 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# main before issue 11's scheduler work: the issue's 4.7 us @256 and 6.8 us @1024 were measured on it.
+DEFAULT_BASELINE = "bb345a35f0a2baf7bf102cca2128ac2b1264cbb2"
+PROMPT_LEN = 100
+BLOCK_SIZE = 16
+
+
+def measure(num_running: int, num_steps: int) -> float:
+    """Seconds of scheduler work per running request per decode step (run inside a side's process)."""
+    from kvpilot.runtime.config import SchedulerConfig
+    from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
+    from kvpilot.runtime.core.sched.output import ModelRunnerOutput
+    from kvpilot.runtime.core.sched.scheduler import Scheduler
+    from kvpilot.runtime.request import Request, SamplingParams
+
+    max_len = PROMPT_LEN + num_steps + 64
+    blocks = num_running * -(-max_len // BLOCK_SIZE) + 1
+    config = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(8192, num_running),
+                             max_model_len=max_len)
+    scheduler = Scheduler(config, KVCacheManager(blocks, BLOCK_SIZE, enable_caching=True))
+    params = SamplingParams(max_tokens=num_steps + 32, temperature=0, stop_token_ids=[3, 4])
+    for i in range(num_running):
+        prompt = [5 + (i * 7919 + j * 31) % 30000 for j in range(PROMPT_LEN)]
+        scheduler.add_request(Request(f"req-{i}", prompt, params, eos_token_id=2, arrival_time=float(i),
+                                      max_model_len=max_len))
+
+    # The runner's view of each row: [tokens it holds, tokens computed]. Shared by both revisions'
+    # SchedulerOutputs, which agree on new requests, counts and removed rows.
+    rows: dict[str, list[int]] = {}
+
+    def run(out) -> ModelRunnerOutput:
+        for req_id in [*out.finished_req_ids, *out.preempted_req_ids]:
+            rows.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            rows[new.req_id] = [len(new.token_ids), new.num_computed_tokens]
+        req_ids, sampled = [], []
+        for req_id, num in out.num_scheduled_tokens.items():
+            row = rows[req_id]
+            row[1] += num
+            tokens = []
+            if row[1] == row[0]:
+                row[0] += 1
+                tokens = [5 + (row[0] * 131 + len(req_ids)) % 30000]
+            req_ids.append(req_id)
+            sampled.append(tokens)
+        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+
+    # Until every prompt is in: then each step is one decode token per request.
+    while scheduler.num_waiting or any(row[1] < row[0] - 1 for row in rows.values()) or not rows:
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, run(out))
+    spent = 0.0
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        spent += time.perf_counter() - start
+        runner_output = run(out)
+        start = time.perf_counter()
+        scheduler.update_from_output(out, runner_output)
+        spent += time.perf_counter() - start
+        if len(out.num_scheduled_tokens) != num_running:
+            raise RuntimeError(f"expected {num_running} running requests, {len(out.num_scheduled_tokens)} ran")
+    return spent / (num_steps * num_running)
+
+
+def _baseline_tree(rev: str, folder: Path) -> Path:
+    """The revision's runtime/ as an importable kvpilot.runtime under `folder`."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "runtime"],
+                             check=True, capture_output=True).stdout
+    target = folder / "kvpilot"
+    target.mkdir()
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(target, filter="data")
+    return folder
+
+
+def _run_side(pythonpath: Path | None, running: list[int], steps: int) -> dict[int, float]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        # Ahead of the editable install, so the baseline's kvpilot.runtime wins.
+        env["PYTHONPATH"] = str(pythonpath)
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from scheduler_overhead import measure; "
+            "print(json.dumps({n: measure(n, int(sys.argv[2])) for n in map(int, sys.argv[3:])}))")
+    result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(steps), *map(str, running)],
+                            env=env, check=True, capture_output=True, text=True)
+    return {int(n): s for n, s in json.loads(result.stdout).items()}
+
+
+def _check_side(pythonpath: Path | None, expected: Path) -> None:
+    code = "import kvpilot.runtime.core.sched.scheduler as s; print(s.__file__)"
+    env = dict(os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {}))
+    where = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    if not Path(where.stdout.strip()).resolve().is_relative_to(expected.resolve()):
+        raise RuntimeError(f"the side meant to run {expected} imported {where.stdout.strip()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision to compare with")
+    parser.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=200, help="timed decode steps per measurement")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="kvpilot-sched-baseline-") as tmp:
+        baseline = _baseline_tree(args.baseline, Path(tmp))
+        _check_side(baseline, baseline)
+        _check_side(None, REPO)
+        runs: dict[str, list[dict[int, float]]] = {"this tree": [], "baseline": []}
+        for _ in range(args.repeats):
+            runs["baseline"].append(_run_side(baseline, args.running, args.steps))
+            runs["this tree"].append(_run_side(None, args.running, args.steps))
+
+    def us(side: str, n: int, pick) -> float:
+        return pick([run[n] for run in runs[side]]) * 1e6
+
+    print(f"baseline: {args.baseline}; {args.steps} decode steps, {args.repeats} interleaved repeats, "
+          f"block size {BLOCK_SIZE}, prompts of {PROMPT_LEN} tokens, prefix caching on; one process per side")
+    print()
+    print("| workload | this tree (min / median) | baseline (min / median) | speed-up (median) |")
+    print("|---|---|---|---|")
+    for n in args.running:
+        print(f"| {n} running, us per request per step | {us('this tree', n, min):.2f} / "
+              f"{us('this tree', n, statistics.median):.2f} | {us('baseline', n, min):.2f} / "
+              f"{us('baseline', n, statistics.median):.2f} | "
+              f"{us('baseline', n, statistics.median) / us('this tree', n, statistics.median):.2f}x |")
+    low, high = min(args.running), max(args.running)
+    for side in runs:
+        print(f"| {side}: cost at {high} / cost at {low} running (median) | | | "
+              f"{us(side, high, statistics.median) / us(side, low, statistics.median):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
