@@ -2,17 +2,27 @@
 
 One step is `schedule -> execute -> update`. This class is the in-process core; the serving
 process wraps it in a loop with ZMQ sockets.
+
+With async scheduling (vLLM's --async-scheduling) the model runs on a thread of its own and the
+core keeps two steps in flight: step N+1 is scheduled while step N runs, its requests' unsampled
+tokens counted as placeholders (the runner feeds each decode the token it sampled itself), and
+step N's tokens are applied once it returns. A request that finished in step N still runs in
+step N+1; that token is not its own and is dropped. Torch releases the GIL in its kernels, so
+the scheduling overlaps the model even on a CPU.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 import torch
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
+from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.core.sched.scheduler import Scheduler
 from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.engine.validation import validate_request
@@ -37,6 +47,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # Queue times measured at first scheduling, waiting to ride on the request's next output.
         self._queue_times: dict[str, float] = {}
+        self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-model")
+                              if config.scheduler.async_scheduling else None)
+        # Steps submitted to the model thread, oldest first, with the outputs they will return.
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
     def _num_kv_blocks(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -72,18 +86,44 @@ class EngineCore:
             self._queue_times.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # A step in flight still has outputs to deliver (or to drop) before the core is idle.
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._model_thread is not None:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
+        scheduler_output = self._schedule()
+        return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Submit the next step, then apply the oldest one in flight once it is done."""
+        if self.scheduler.has_unfinished_requests():
+            # Nothing to run can be right while a step is in flight: its tokens decide what comes next.
+            scheduler_output = self._schedule(allow_idle=bool(self._in_flight))
+            if scheduler_output is not None:
+                future = self._model_thread.submit(self.executor.execute_model, scheduler_output)
+                self._in_flight.append((scheduler_output, future))
+                if len(self._in_flight) < 2:
+                    return []
+        if not self._in_flight:
+            return []
+        scheduler_output, future = self._in_flight.popleft()
+        return self._update(scheduler_output, future.result())
+
+    def _schedule(self, allow_idle: bool = False) -> SchedulerOutput | None:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not (scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
+            if allow_idle:
+                return None
             # Every request fits the pool on its own (validate), so an idle step means a scheduler bug;
             # failing beats spinning forever.
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")
         self._note_queue_times(scheduler_output)
-        runner_output = self.executor.execute_model(scheduler_output)
+        return scheduler_output
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         for output in outputs:
             output.queue_time = self._queue_times.pop(output.request_id, None)
@@ -104,6 +144,10 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self._model_thread is not None:
+            # The model thread may be inside the executor: let it finish before the executor goes.
+            self._model_thread.shutdown(wait=True, cancel_futures=True)
+            self._in_flight.clear()
         self.executor.shutdown()
 
     def get_stats(self) -> EngineStats:

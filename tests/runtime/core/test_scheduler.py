@@ -127,19 +127,28 @@ class Harness:
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
+        self._check(out)
+        self._apply(out, self._run(out))
+        self.steps.append(out)
+        return out
+
+    def _check(self, out: SchedulerOutput) -> None:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= self.config.max_num_seqs
         assert self.sched.num_running <= self.config.max_num_seqs
         self.finished_ids.update(out.finished_req_ids)
+
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         runner_output = self.runner(out)
         # The runner advanced its rows by the counts alone, and agrees with the scheduler.
         for req_id in out.num_scheduled_tokens:
             assert self.runner.rows[req_id].num_computed == self.sched.requests[req_id].num_computed_tokens
+        return runner_output
+
+    def _apply(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         for core_output in self.sched.update_from_output(out, runner_output):
             self.outputs.setdefault(core_output.request_id, []).append(core_output)
-        self.steps.append(out)
-        return out
 
     def step_until(self, done, max_steps: int = 100) -> SchedulerOutput:
         for _ in range(max_steps):
@@ -162,6 +171,44 @@ class Harness:
 
     def finish_reason(self, req_id: str) -> str | None:
         return self.outputs[req_id][-1].finish_reason
+
+
+class AsyncHarness(Harness):
+    """The async engine core's loop: step N+1 is scheduled before step N's tokens are applied.
+
+    The runner runs each step as soon as it is scheduled, which is what the model thread does
+    (steps run in order), so the scheduler never sees a step's tokens before it schedules the next.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        # Preemptions of requests whose token was still in flight: the case async adds.
+        self.preempted_in_flight = 0
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        self._check(out)
+        self.preempted_in_flight += sum(self.sched.requests[r].num_output_placeholders > 0
+                                        for r in out.preempted_req_ids)
+        idle = out.is_empty and not (out.finished_req_ids or out.preempted_req_ids)
+        if not (idle and self.in_flight):
+            self.in_flight.append((out, self._run(out)))
+        if len(self.in_flight) == 2 or (idle and self.in_flight):
+            self._apply(*self.in_flight.pop(0))
+        self.steps.append(out)
+        return out
+
+    def run(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not (self.sched.has_unfinished_requests() or self.in_flight):
+                self.step()
+                return
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps: {self.sched.requests}")
+
+
+HARNESSES = pytest.mark.parametrize("harness", [Harness, AsyncHarness], ids=["sync", "async"])
 
 
 # --- the waiting queues -------------------------------------------------------------------------
@@ -390,10 +437,11 @@ def test_priority_victim_scheduled_earlier_in_the_step_gives_its_tokens_back():
         assert h.tokens(req_id) == [DEFAULT_TOKEN] * 10
 
 
+@HARNESSES
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_every_request_finishes_once_under_memory_pressure(policy):
+def test_every_request_finishes_once_under_memory_pressure(policy, harness):
     rng = random.Random(0)
-    h = Harness(num_blocks=12, max_num_batched_tokens=24, max_num_seqs=6, policy=policy)
+    h = harness(num_blocks=12, max_num_batched_tokens=24, max_num_seqs=6, policy=policy)
     requests = [
         make_request(
             f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 12), priority=rng.randint(0, 3)
@@ -410,6 +458,9 @@ def test_every_request_finishes_once_under_memory_pressure(policy):
     assert h.finished_ids == Counter(r.request_id for r in requests)
     assert h.sched.num_running == h.sched.num_waiting == 0
     assert h.kv.num_free_blocks == h.full and h.kv.usage == 0.0
+    assert all(r.num_output_placeholders == 0 for r in requests)
+    if harness is AsyncHarness:
+        assert h.preempted_in_flight > 0
 
 
 # --- set_policy ---------------------------------------------------------------------------------
@@ -473,13 +524,14 @@ STOP_CASES = [
 ]
 
 
+@HARNESSES
 @pytest.mark.parametrize(
     "params, sampled, max_model_len, num_kept, reason, stop_reason",
     [case[1:] for case in STOP_CASES],
     ids=[case[0] for case in STOP_CASES],
 )
-def test_stop_checks_run_in_order(params, sampled, max_model_len, num_kept, reason, stop_reason):
-    h = Harness(max_model_len=max_model_len)
+def test_stop_checks_run_in_order(params, sampled, max_model_len, num_kept, reason, stop_reason, harness):
+    h = harness(max_model_len=max_model_len)
     request = make_request("r", 4, eos_token_id=EOS, **{"max_tokens": 10, **params})
     h.runner.scripts["r"] = list(sampled)
     h.add(request)
@@ -581,3 +633,85 @@ def test_logprobs_and_prompt_logprobs_pass_through():
 def test_the_scheduler_never_imports_torch():
     code = "import sys, kvpilot.runtime.core.sched.scheduler; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode == 0
+
+
+# --- async scheduling ---------------------------------------------------------------------------
+
+
+def test_async_schedules_the_next_decode_before_its_token_is_known():
+    h = AsyncHarness()
+    request = make_request("a", 4, max_tokens=5)
+    h.add(request)
+    assert h.step().num_scheduled_tokens == {"a": 4}
+    # The prefill's token is in flight: the decode that feeds it is scheduled anyway.
+    assert h.step().num_scheduled_tokens == {"a": 1}
+    # Step 1's token has come back since; step 2's is the one in flight.
+    assert h.tokens("a") == [DEFAULT_TOKEN] and request.num_output_placeholders == 1
+    assert request.num_computed_tokens == request.num_tokens == 5
+
+
+def test_async_drops_the_token_sampled_after_a_request_finished():
+    h = AsyncHarness()
+    h.add(make_request("a", 4, max_tokens=10, eos_token_id=EOS))
+    h.runner.scripts["a"] = [5, EOS, 6, 7]
+    h.run()
+    # The step after the EOS ran (it was scheduled before the EOS was known); its 6 is not a's.
+    assert h.tokens("a") == [5, EOS] and h.finish_reason("a") == "stop"
+    assert h.runner.scripts["a"] == [7]
+    assert h.finished_ids == Counter(["a"]) and "a" not in h.runner.rows
+    assert h.kv.num_free_blocks == h.full
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_async_never_schedules_past_max_tokens(max_tokens):
+    runs = {}
+    for harness in (Harness, AsyncHarness):
+        h = harness(max_model_len=4 + max_tokens)
+        h.add(make_request("a", 4, max_tokens=max_tokens))
+        h.run()
+        assert h.tokens("a") == [DEFAULT_TOKEN] * max_tokens
+        runs[harness] = sum("a" in out.num_scheduled_tokens for out in h.steps)
+    # Nothing runs that could only produce a token past the limit (or past max_model_len).
+    assert runs[AsyncHarness] == runs[Harness] == max_tokens
+
+
+def test_async_abort_while_a_step_is_in_flight():
+    h = AsyncHarness()
+    h.add(make_request("a", 4, max_tokens=10), make_request("b", 4, max_tokens=6))
+    h.step()
+    h.step()
+    assert h.in_flight and "a" in h.in_flight[0][0].num_scheduled_tokens
+    h.sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    tokens_at_abort = h.tokens("a")
+    h.run()
+    assert h.tokens("a") == tokens_at_abort and all(not o.finished for o in h.outputs["a"])
+    assert h.tokens("b") == [DEFAULT_TOKEN] * 6
+    assert h.finished_ids == Counter(["a", "b"]) and not h.runner.rows
+    assert h.kv.num_free_blocks == h.full
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_async_outputs_equal_sync_outputs_under_preemption_and_stops(policy):
+    def workload():
+        rng = random.Random(7)
+        requests, scripts = [], {}
+        for i in range(30):
+            params = dict(max_tokens=rng.randint(1, 12), priority=rng.randint(0, 3))
+            if i % 3 == 0:
+                params.update(stop_token_ids=[9], min_tokens=rng.randint(0, params["max_tokens"]))
+            requests.append(make_request(f"r{i}", rng.randint(1, 20), eos_token_id=EOS, **params))
+            scripts[f"r{i}"] = [rng.choice([5, 6, 9, EOS, 11, 12, 13]) for _ in range(20)]
+        return requests, scripts
+
+    results = {}
+    for harness in (Harness, AsyncHarness):
+        h = harness(num_blocks=12, max_num_batched_tokens=24, max_num_seqs=6, policy=policy)
+        requests, h.runner.scripts = workload()
+        h.add(*requests)
+        h.run()
+        assert h.sched.num_preemptions > 0
+        assert h.kv.num_free_blocks == h.full and not h.runner.rows
+        results[harness] = {r.request_id: (h.tokens(r.request_id), h.finish_reason(r.request_id),
+                                           r.stop_reason) for r in requests}
+    assert results[AsyncHarness] == results[Harness]
+    assert {reason for _, reason, _ in results[Harness].values()} == {"stop", "length"}
