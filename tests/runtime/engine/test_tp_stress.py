@@ -87,8 +87,8 @@ def shared_prefix_workload(tmp_path_factory) -> tuple[str, Workload]:
     return str(model_dir), workload
 
 
-def _generate(model_dir: str, workload: Workload, tensor_parallel_size: int):
-    llm = LLM(model_dir, tensor_parallel_size=tensor_parallel_size, **workload.engine_args)
+def _generate(model_dir: str, workload: Workload, tensor_parallel_size: int, **engine_args):
+    llm = LLM(model_dir, tensor_parallel_size=tensor_parallel_size, **workload.engine_args, **engine_args)
     try:
         outputs = llm.generate(workload.prompts, GREEDY, priority=workload.priorities)
         return [o.outputs[0].token_ids for o in outputs], llm.get_stats()
@@ -118,6 +118,18 @@ def test_tensor_parallel_is_exact_run_after_run(request, distinct_rank_hash_seed
         assert stats.num_preemptions > 0, "the workload must preempt to test recompute under TP"
         wrong = [i for i, (got, want) in enumerate(zip(tokens, expected)) if got != want]
         assert not wrong, f"run {run}: requests {wrong} diverged at TP {tensor_parallel_size}"
+
+
+def test_tensor_parallel_with_async_scheduling_is_exact(preemption_workload, distinct_rank_hash_seeds):
+    """Async scheduling changes when the ranks get each step, never what they get: the layout
+    check runs on every step, and the tokens are transformers' under preemption."""
+    model_dir, workload = preemption_workload
+    expected = _expected(model_dir, workload)
+    for run in range(2):
+        tokens, stats = _generate(model_dir, workload, 2, async_scheduling=True)
+        assert stats.num_preemptions > 0
+        wrong = [i for i, (got, want) in enumerate(zip(tokens, expected)) if got != want]
+        assert not wrong, f"run {run}: requests {wrong} diverged at TP 2 with async scheduling"
 
 
 def test_ranks_that_disagree_on_the_batch_fail_loudly(tiny_llama_dir):
