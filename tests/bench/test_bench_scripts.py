@@ -18,6 +18,7 @@ TINY_ARGS = {
     # Calibration and the real server both run; the accuracy needs the full run (BENCHMARKS.md).
     "sim_validation.py": ["--short"],
     # Against HEAD, which any checkout has (the default baseline is a fixed older commit).
+    "async_scheduling.py": ["--num-prompts", "2", "--new-tokens", "2", "--repeats", "1"],
     "scheduler_overhead.py": ["--baseline", "HEAD", "--running", "4", "8", "--steps", "3", "--repeats", "1"],
 }
 MODEL_FREE = {"kernels.py", "scheduler_overhead.py"}
