@@ -204,14 +204,15 @@ class Scheduler:
             # Finished or aborted after the step was scheduled: whatever it sampled is not its own.
             if request is None:
                 continue
-            new_token_ids: list[int] = []
-            for token_id in sampled:
+            # The runner's list is ours now: it is the output unless a stop cuts it short.
+            new_token_ids = sampled
+            for i, token_id in enumerate(sampled):
                 request.num_output_placeholders -= 1
                 # Request.append_output_token_id, inlined: this loop runs for every token.
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
-                new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
+                    new_token_ids = sampled[: i + 1]
                     break
             logprobs = mro.logprobs[index]
             outputs.append(
