@@ -7,6 +7,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvpilot.runtime.structured_output.params import StructuredOutputsParams
+
 # Below this temperature sampling is argmax, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -33,6 +35,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Token id -> added to its logit before sampling (OpenAI's logit_bias, within +-100).
     logit_bias: dict[int, float] | None = None
+    # A grammar the output must match (JSON schema, regex, choice, EBNF); see StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
