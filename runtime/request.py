@@ -81,6 +81,8 @@ class SamplingParams:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Waiting for its grammar to compile (vLLM's name); admitted once it has.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything from here on is finished.
@@ -158,6 +160,8 @@ class Request:
         # Hashes of the full blocks of all_token_ids, extended by the KV-cache manager.
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
+        # The grammar its output follows (a StructuredOutputRequest), set by the engine core.
+        self.structured_output_request = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ the scheduling overlaps the model even on a CPU.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,9 +27,16 @@ from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.core.sched.scheduler import Scheduler
 from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.engine.validation import validate_request
+from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request, RequestStatus
+from kvpilot.runtime.structured_output.manager import StructuredOutputManager
 from kvpilot.runtime.worker.executor import create_executor
+
+# How long a step with nothing to run but grammars to compile waits for one of them.
+GRAMMAR_WAIT_SECONDS = 0.05
+
+logger = logging.getLogger(__name__)
 
 
 def default_device() -> torch.device:
@@ -45,6 +53,15 @@ class EngineCore:
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.structured_output = StructuredOutputManager(
+            lambda: load_tokenizer(config.model.path, config.model.tokenizer)[0].to_str(),
+            config.model.vocab_size, config.model.eos_token_ids,
+        )
+        # Grammars of waiting requests that were still compiling at the last step, by request id.
+        self._compiling: dict = {}
+        # Unfinished requests with a grammar (finished ones are dropped at the next step): a step
+        # without any looks at none.
+        self._grammar_requests: dict[str, Request] = {}
         # Queue times measured at first scheduling, waiting to ride on the request's next output.
         self._queue_times: dict[str, float] = {}
         self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-model")
@@ -77,6 +94,12 @@ class EngineCore:
         self.validate(request.prompt_token_ids, request.sampling_params)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is not None:
+            request.structured_output_request = self.structured_output.request_for(
+                request.sampling_params.structured_outputs)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self._compiling[request.request_id] = request.structured_output_request
+            self._grammar_requests[request.request_id] = request
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -84,6 +107,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._queue_times.pop(request_id, None)
+            self._compiling.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight still has outputs to deliver (or to drop) before the core is idle.
@@ -94,23 +118,31 @@ class EngineCore:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self._schedule()
-        return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+        failed = self._check_compiled()
+        scheduler_output = self._schedule(allow_idle=bool(self._compiling or failed))
+        if scheduler_output is None:
+            self._wait_for_grammars()
+            return failed
+        return failed + self._update(scheduler_output, self.executor.execute_model(scheduler_output))
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Submit the next step, then apply the oldest one in flight once it is done."""
+        failed = self._check_compiled()
         if self.scheduler.has_unfinished_requests():
             # Nothing to run can be right while a step is in flight: its tokens decide what comes next.
-            scheduler_output = self._schedule(allow_idle=bool(self._in_flight))
+            # So can grammars still compiling.
+            scheduler_output = self._schedule(allow_idle=bool(self._in_flight or self._compiling or failed))
             if scheduler_output is not None:
                 future = self._model_thread.submit(self.executor.execute_model, scheduler_output)
                 self._in_flight.append((scheduler_output, future))
                 if len(self._in_flight) < 2:
-                    return []
+                    return failed
+            elif not self._in_flight:
+                self._wait_for_grammars()
         if not self._in_flight:
-            return []
+            return failed
         scheduler_output, future = self._in_flight.popleft()
-        return self._update(scheduler_output, future.result())
+        return failed + self._update(scheduler_output, future.result())
 
     def _schedule(self, allow_idle: bool = False) -> SchedulerOutput | None:
         scheduler_output = self.scheduler.schedule()
@@ -121,7 +153,44 @@ class EngineCore:
             # failing beats spinning forever.
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")
         self._note_queue_times(scheduler_output)
+        scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
         return scheduler_output
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput):
+        """Masks for the requests with a grammar that sample this step (their last token is scheduled).
+
+        Under async scheduling the scheduler holds a grammar request back while a token of it is in
+        flight, so each mask here follows every token the request has.
+        """
+        sampling = []
+        for req_id, request in list(self._grammar_requests.items()):
+            if request.is_finished:
+                del self._grammar_requests[req_id]
+            # schedule() has advanced num_computed_tokens past this step's tokens already.
+            elif req_id in scheduler_output.num_scheduled_tokens and request.num_computed_tokens == request.num_tokens:
+                sampling.append((req_id, request.structured_output_request, request.output_token_ids))
+        return self.structured_output.grammar_bitmask(sampling)
+
+    def _check_compiled(self) -> list[EngineCoreOutput]:
+        """Forget the grammars compiled since the last step, and abort the requests whose grammar
+        failed. The frontend checks each grammar first, so a failure here is a disagreement between
+        the two (a tokenizer-specific one)."""
+        if not self._compiling:
+            return []
+        failed = []
+        for req_id, grammar in list(self._compiling.items()):
+            if grammar.is_ready:
+                del self._compiling[req_id]
+                if grammar.error is not None:
+                    logger.error("refused request %s: its grammar failed to compile: %s", req_id, grammar.error)
+                    failed.append(req_id)
+        self.abort_requests(failed)
+        return [EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason="abort") for req_id in failed]
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars to compile: sleep on them rather than spin."""
+        if self._compiling:
+            self.structured_output.wait_for_any(self._compiling.values(), GRAMMAR_WAIT_SECONDS)
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -148,6 +217,7 @@ class EngineCore:
             # The model thread may be inside the executor: let it finish before the executor goes.
             self._model_thread.shutdown(wait=True, cancel_futures=True)
             self._in_flight.clear()
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     def get_stats(self) -> EngineStats:

@@ -25,6 +25,9 @@ class SamplingMetadata:
     all_random: bool
     # (rows, token ids, biases) added to the logits before sampling; None when no row has one.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows, packed int32 masks [len(rows), ceil(V / 32)]) of the rows under a grammar: bit t of
+    # a row's mask set means token t is allowed. None when no row has a grammar.
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -60,7 +63,12 @@ class Sampler(torch.nn.Module):
         metadata: SamplingMetadata,
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        raw_logits = logits = logits.float()
+        logits = logits.float()
+        if metadata.grammar_bitmask is not None:
+            # Before everything else, logprobs included, as vLLM applies it: a token the grammar
+            # forbids has probability 0.
+            logits = apply_grammar_bitmask(logits, *metadata.grammar_bitmask)
+        raw_logits = logits
         if metadata.logit_bias is not None:
             rows, tokens, biases = metadata.logit_bias
             logits = logits.index_put((rows, tokens), biases, accumulate=True)
@@ -80,6 +88,13 @@ class Sampler(torch.nn.Module):
             raw = raw_logits.log_softmax(dim=-1)
             logprobs = gather_logprobs(raw, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with -inf for each token a row's packed bitmask does not allow."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def _sample_random(

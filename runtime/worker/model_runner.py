@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvpilot.runtime.core.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.layers.attention import AttentionMetadata, get_attention_backend
 from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from kvpilot.runtime.models.loader import load_model
@@ -94,8 +94,9 @@ class ModelRunner:
             last_token = _tensor(step.query_start_loc[1:][sample_idx] - 1, self.device)
             logits = self.model.compute_logits(hidden[last_token])
             sample_ids = [step.req_ids[i] for i in sample_idx]
-            output = self.sampler(logits, self._sampling_metadata(step.rows[sample_idx], sample_ids),
-                                  self.generator)
+            metadata = self._sampling_metadata(step.rows[sample_idx], sample_ids)
+            metadata.grammar_bitmask = self._grammar_bitmask(scheduler_output.grammar_bitmask, sample_ids)
+            output = self.sampler(logits, metadata, self.generator)
             tokens = output.sampled_token_ids.tolist()
             for j, i in enumerate(sample_idx):
                 sampled[i] = [tokens[j]]
@@ -144,6 +145,16 @@ class ModelRunner:
         rows, tokens, biases = zip(*entries)
         return (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device),
                 torch.tensor(biases, dtype=torch.float32, device=self.device))
+
+    def _grammar_bitmask(self, grammar: GrammarBitmask | None, req_ids: list[str]
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The engine core's masks, on the rows (of `req_ids`, the sampled requests) they belong to."""
+        if grammar is None:
+            return None
+        sample_row = {req_id: i for i, req_id in enumerate(req_ids)}
+        masks = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
+        rows = [sample_row[req_id] for req_id in grammar.req_ids]
+        return torch.tensor(rows, device=self.device), masks.to(self.device)
 
     def _prompt_logprobs(self, step: "_StepInputs", hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Logprobs of each prompt token given the ones before it, for this step's chunk of the prompt."""

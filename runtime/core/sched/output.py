@@ -34,6 +34,18 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The allowed next tokens of the step's requests that have a grammar and sample this step.
+
+    `bitmask` is an int32 array [len(req_ids), ceil(vocab / 32)] in its raw bytes (bit t % 32 of
+    word t // 32 set: token t allowed), so that it crosses to the TP workers as it is.
+    """
+
+    req_ids: list[str]
+    bitmask: bytes
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     # Only the running requests that gained blocks (see CachedRequestData).
@@ -47,6 +59,8 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # Rows the runner drops too; these requests come back later as NewRequestData.
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Filled by the engine core after scheduling; None when no request samples under a grammar.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -88,9 +88,11 @@ class Scheduler:
             # A victim of an earlier preemption in this loop.
             if request.status != running_status:
                 continue
-            # Under async scheduling the tokens in flight may already be all it may produce.
+            # Under async scheduling the tokens in flight may already be all it may produce; and a
+            # grammar's next mask needs the token in flight, so its request waits for it.
             placeholders = request.num_output_placeholders
-            if placeholders and len(request.output_token_ids) + placeholders >= request.max_tokens:
+            if placeholders and (request.structured_output_request is not None
+                                 or len(request.output_token_ids) + placeholders >= request.max_tokens):
                 continue
             num_new = self._chunk(request, budget)
             while (blocks := allocate_slots(request, num_new)) is None:
@@ -141,8 +143,15 @@ class Scheduler:
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
         """Admit from the head of the waiting queue until budget, seats or blocks run out."""
         admitted: list[NewRequestData] = []
+        # Requests whose grammar is still compiling: they keep their place, the rest go ahead.
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if not request.structured_output_request.is_ready:
+                    compiling.append(self.waiting.pop_request())
+                    continue
+                request.status = RequestStatus.WAITING
             # Waiting requests hold no KV: new ones have none yet, preempted ones gave it back.
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._chunk(request, budget, num_hit)
@@ -165,6 +174,8 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit,
             ))
+        for request in reversed(compiling):
+            self.waiting.prepend_request(request)
         return admitted
 
     def _pick_victim(self) -> Request:
@@ -206,12 +217,19 @@ class Scheduler:
                 continue
             # The runner's list is ours now: it is the output unless a stop cuts it short.
             new_token_ids = sampled
+            grammar = request.structured_output_request
             for i, token_id in enumerate(sampled):
                 request.num_output_placeholders -= 1
                 # Request.append_output_token_id, inlined: this loop runs for every token.
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
+                if grammar is not None:
+                    grammar.accept(token_id)
                 if self._check_stop(request, token_id):
+                    new_token_ids = sampled[: i + 1]
+                    break
+                if grammar is not None and grammar.is_finished:
+                    request.status = RequestStatus.FINISHED_STOPPED
                     new_token_ids = sampled[: i + 1]
                     break
             logprobs = mro.logprobs[index]

@@ -1,0 +1,134 @@
+"""xgrammar against llguidance on the default model's tokenizer (SmolLM2, 49,152 tokens): what a
+JSON schema costs to compile, and what one decode step's token mask costs.
+
+    .venv/bin/pip install xgrammar==0.2.9   # the comparison only; kvpilot runs on llguidance
+    .venv/bin/python bench/grammar_backends.py [--repeats 5] [--threads 1]
+
+Each repetition compiles every schema cold (a fresh compiler, so nothing is cached) with each
+backend, interleaved, then walks each schema's example document token by token, filling the
+next-token bitmask and accepting the token, as the engine does once per decode step. It prints a
+markdown table with min and median over the repetitions and the llguidance/xgrammar ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime" / "structured_output"))
+from schemas import SCHEMAS  # noqa: E402
+
+from kvpilot.runtime.models.default_model import ensure_default_model  # noqa: E402
+from kvpilot.runtime.models.tokenizer_loader import load_tokenizer  # noqa: E402
+
+
+def hf_tokenizer(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf, vocab_size: int, eos: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=[eos])
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def compile(self, schema):
+        # A fresh compiler per call: its cache would otherwise make every repetition after the first free.
+        compiler = self.xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+
+    def walk(self, compiled, tokens: list[int]) -> int:
+        matcher = self.xgr.GrammarMatcher(compiled)
+        for token in tokens:
+            matcher.fill_next_token_bitmask(self.bitmask, 0)
+            assert matcher.accept_token(token), token
+        return len(tokens)
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, hf, vocab_size: int, eos: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        self.bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+        self.fill = llguidance.numpy.fill_next_token_bitmask
+
+    def compile(self, schema):
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"})
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar)
+        assert not matcher.is_error(), matcher.get_error()
+        return grammar
+
+    def walk(self, grammar, tokens: list[int]) -> int:
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar)
+        for token in tokens:
+            self.fill(matcher, self.bitmask, 0)
+            assert matcher.consume_token(token), (token, matcher.get_error())
+        return len(tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tokenizer, _ = load_tokenizer(str(ensure_default_model()))
+    hf = hf_tokenizer(tokenizer)
+    vocab_size, eos = tokenizer.get_vocab_size(), hf.convert_tokens_to_ids("<|im_end|>")
+    documents = [tokenizer.encode(json.dumps(example, separators=(",", ":")), add_special_tokens=False).ids
+                 for _, example in SCHEMAS]
+
+    setup, backends = {}, []
+    for cls in (XGrammar, LLGuidance):
+        start = time.perf_counter()
+        backends.append(cls(hf, vocab_size, eos))
+        setup[cls.name] = time.perf_counter() - start
+
+    compile_s = {b.name: [] for b in backends}
+    step_s = {b.name: [] for b in backends}
+    for _ in range(args.repeats):
+        for backend in backends:
+            start = time.perf_counter()
+            compiled = [backend.compile(schema) for schema, _ in SCHEMAS]
+            compile_s[backend.name].append((time.perf_counter() - start) / len(SCHEMAS))
+            start = time.perf_counter()
+            steps = sum(backend.walk(c, doc) for c, doc in zip(compiled, documents))
+            step_s[backend.name].append((time.perf_counter() - start) / steps)
+
+    print(f"vocab {vocab_size}, {len(SCHEMAS)} schemas, {sum(map(len, documents))} tokens of documents, "
+          f"{args.repeats} repetitions, torch threads {args.threads}, bitmask {np.int32().nbytes * -(-vocab_size // 32)} B/row\n")
+    print("| backend | tokenizer setup (s) | compile per schema, min / median (ms) "
+          "| mask + accept per token, min / median (us) |")
+    print("|---|---|---|---|")
+    for backend in backends:
+        c, s = compile_s[backend.name], step_s[backend.name]
+        print(f"| {backend.name} | {setup[backend.name]:.2f} | {min(c) * 1e3:.2f} / {statistics.median(c) * 1e3:.2f} "
+              f"| {min(s) * 1e6:.1f} / {statistics.median(s) * 1e6:.1f} |")
+    ratio = {"compile": statistics.median(compile_s["llguidance"]) / statistics.median(compile_s["xgrammar"]),
+             "step": statistics.median(step_s["llguidance"]) / statistics.median(step_s["xgrammar"])}
+    print(f"\nllguidance / xgrammar (medians): compile {ratio['compile']:.2f}x, per-token mask {ratio['step']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
