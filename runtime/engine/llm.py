@@ -15,6 +15,7 @@ from kvpilot.runtime.engine.output_processor import OutputProcessor, StreamOutpu
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
 from kvpilot.runtime.request import Request, SamplingParams
+from kvpilot.runtime.structured_output.grammar import check as check_grammar
 
 Prompt = str | list[int]
 
@@ -49,6 +50,8 @@ class LLM:
         token_ids = [self._tokenize(p) for p in prompts]
         for ids, p in zip(token_ids, params):
             self.engine.validate(ids, p.for_choice(0))
+            if p.structured_outputs is not None:
+                check_grammar(p.structured_outputs)
 
         # n > 1 runs as n independent requests (choices), as the serving frontend does.
         streams: list[list[list[StreamOutput]]] = []

@@ -37,6 +37,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
     request = serving.engine_request(
         body, prompt_token_ids, prompt_param="messages", max_tokens=body.max_new_tokens,
         logprobs=body.num_logprobs, tenant=http_request.state.tenant, request_id=request_id,
+        structured_outputs=await serving.structured_outputs(body),
     )
     response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs)
     return await serving.respond(http_request, request, response_format, stream=body.stream,

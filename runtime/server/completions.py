@@ -35,6 +35,7 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
     request = serving.engine_request(
         body, prompt_token_ids, prompt_param="prompt", max_tokens=body.max_tokens, logprobs=body.logprobs,
         tenant=http_request.state.tenant, request_id=request_id,
+        structured_outputs=await serving.structured_outputs(body),
     )
     response_format = CompletionFormat(request_id, serving.model_name, body.logprobs is not None)
     return await serving.respond(http_request, request, response_format, stream=body.stream,

@@ -9,11 +9,12 @@ no float is infinite. Range checks that need a second field, the model or the se
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from kvpilot.runtime.config import SchedulingPolicy
+from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
 # vLLM's cap on logprobs; the engine enforces it too.
 MAX_LOGPROBS = 20
@@ -58,6 +59,39 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestBody):
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    # Output is held to the schema either way (as vLLM does); strict is accepted for OpenAI's clients.
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestBody):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsBody(RequestBody):
+    """vLLM's structured_outputs object; exactly one constraint (checked in StructuredOutputsParams)."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class GenerationRequest(RequestBody):
     """The fields /v1/completions and /v1/chat/completions share."""
 
@@ -89,6 +123,13 @@ class GenerationRequest(RequestBody):
     logit_bias: dict[str, float] | None = None
     # Known to OpenAI's API, and not supported here: refused rather than ignored.
     best_of: int | None = None
+    # Structured outputs, in OpenAI's shape, vLLM's, and vLLM's older guided_* fields; one at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -107,6 +148,25 @@ class GenerationRequest(RequestBody):
         if self.best_of is not None:
             raise ValueError("best_of is not supported by this server")
         return self
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint the request asks for and the field it came in; ValueError for two at once
+        or a malformed one."""
+        given: dict[str, dict] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = ({"json_object": True} if self.response_format.type == "json_object"
+                                        else {"json": self.response_format.json_schema.json_schema})
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise ValueError(f"give one structured-output constraint, got {', '.join(given)}")
+        (field, constraint), = given.items()
+        return StructuredOutputsParams(**constraint), field
 
     @property
     def token_logit_bias(self) -> dict[int, float] | None:

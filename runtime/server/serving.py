@@ -34,6 +34,9 @@ from kvpilot.runtime.server.protocol import ChatMessage, GenerationRequest, Usag
 from kvpilot.runtime.server.streaming import StallingStreamingResponse
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 from kvpilot.runtime.server.tokenizer_pool import PromptTooLong, TokenizerPool
+from kvpilot.runtime.structured_output.grammar import UnsupportedGrammar
+from kvpilot.runtime.structured_output.grammar import check as check_grammar
+from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
 # JSON has no -inf; vLLM reports an impossible token's logprob as this.
 MIN_LOGPROB = -9999.0
@@ -176,6 +179,20 @@ class Serving:
         # The template writes the special tokens (BOS included) itself.
         return await self.prompt_token_ids(prompt, add_special_tokens=False, param="messages")
 
+    async def structured_outputs(self, body: GenerationRequest) -> StructuredOutputsParams | None:
+        """The request's output constraint, checked (on the tokenizer pool: a large schema takes a
+        while) against what the grammar engine can enforce; 400 naming the field and the feature."""
+        try:
+            params, field = body.structured_outputs_params()
+        except ValueError as err:
+            raise bad_request(str(err), "structured_outputs") from err
+        if params is not None:
+            try:
+                await self.tokenizers.run(check_grammar, params)
+            except UnsupportedGrammar as err:
+                raise bad_request(f"{field}: {err}", field) from err
+        return params
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r})",
@@ -183,8 +200,11 @@ class Serving:
 
     def engine_request(self, body: GenerationRequest, prompt_token_ids: list[int], *, prompt_param: str,
                        max_tokens: int | None, logprobs: int | None, tenant: Tenant | None,
-                       request_id: str) -> EngineRequest:
-        """Checks the request against the model and the limits, and applies the tenant's priority and salt."""
+                       request_id: str, structured_outputs: StructuredOutputsParams | None = None) -> EngineRequest:
+        """Checks the request against the model and the limits, and applies the tenant's priority and salt.
+
+        `structured_outputs` is the constraint `structured_outputs()` checked (or one the route made).
+        """
         check_limits(self.limits, body)
         max_model_len = self.engine.max_model_len
         num_prompt = len(prompt_token_ids)
@@ -206,6 +226,7 @@ class Serving:
                 stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
                 prompt_logprobs=body.prompt_logprobs, logit_bias=body.token_logit_bias,
+                structured_outputs=structured_outputs,
             )
             self.engine.validate(prompt_token_ids, params)
         except ValueError as err:
