@@ -1,0 +1,128 @@
+"""Structured outputs through the engine on a random-weight tiny model, whose free text is noise:
+whatever it writes under a grammar must match the grammar, and a request without one must not
+notice its neighbours' grammars."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.structured_output.params import StructuredOutputsParams
+
+from schemas import SCHEMAS
+
+PROMPT = "The morning train to the coast"
+CHOICES = ["yes", "no", 'it said "maybe"', "back\\slash"]
+REGEX = r"[a-z]{2,5}-[0-9]{3}( [A-Z]{1,4})?"
+
+
+def constrained(temperature: float = 0.0, seed: int | None = None, max_tokens: int = 256, **constraint):
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_model_len=512)
+
+
+@pytest.fixture
+def bitmasks(llm):
+    """The grammar bitmask of every step the engine runs while the test does."""
+    seen = []
+    execute = llm.engine.executor.execute_model
+
+    def spy(scheduler_output):
+        seen.append(scheduler_output.grammar_bitmask)
+        return execute(scheduler_output)
+
+    llm.engine.executor.execute_model = spy
+    yield seen
+    llm.engine.executor.execute_model = execute
+
+
+def test_twenty_schemas_all_validate(llm):
+    # Sampled (seeded), so the noise wanders through more of each grammar than argmax would.
+    params = [constrained(1.0, seed=i, json=schema, disable_any_whitespace=True)
+              for i, (schema, _) in enumerate(SCHEMAS)]
+    outputs = llm.generate([PROMPT] * len(params), params)
+    for (schema, _), output in zip(SCHEMAS, outputs):
+        completion = output.outputs[0]
+        jsonschema.validate(json.loads(completion.text), schema)
+        # The grammar's end ended the request, not max_tokens.
+        assert completion.finish_reason == "stop", completion.text
+
+
+def test_regex_choice_and_ebnf_grammar(llm):
+    grammar = 'root ::= "(" digit digit? ")" ("+" | "-")\ndigit ::= [0-9]'
+    outputs = llm.generate([PROMPT] * 6, [
+        constrained(regex=REGEX), constrained(1.0, seed=3, regex=REGEX),
+        constrained(choice=CHOICES), constrained(1.0, seed=4, choice=CHOICES),
+        constrained(grammar=grammar), constrained(1.0, seed=5, grammar=grammar),
+    ])
+    texts = [o.outputs[0].text for o in outputs]
+    assert all(re.fullmatch(REGEX, t) for t in texts[:2]), texts
+    assert all(t in CHOICES for t in texts[2:4]), texts
+    assert all(re.fullmatch(r"\([0-9]{1,2}\)[+-]", t) for t in texts[4:]), texts
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs)
+
+
+def test_a_complete_grammar_ends_the_request_without_an_eos(llm):
+    # ignore_eos: only the grammar can end it before max_tokens.
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["abcdefgh"]))
+    completion = llm.generate([PROMPT], params)[0].outputs[0]
+    assert completion.text == "abcdefgh" and completion.finish_reason == "stop"
+    assert llm.eos_token_id not in completion.token_ids and len(completion.token_ids) <= len("abcdefgh")
+
+
+def test_mixed_batch_leaves_unconstrained_requests_alone(llm, bitmasks):
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    alone = llm.generate([PROMPT, "A cache keeps"], [free, seeded])
+    assert bitmasks and all(b is None for b in bitmasks), "a step without grammars carries no bitmask"
+
+    schema = SCHEMAS[6][0]
+    grammars = [constrained(json=schema, disable_any_whitespace=True), constrained(choice=CHOICES),
+                constrained(1.0, seed=2, regex=REGEX)]
+    mixed = llm.generate([PROMPT, "In 1969", "A cache keeps", "To bake", "Hello"],
+                         [free, grammars[0], seeded, grammars[1], grammars[2]])
+    assert [o.outputs[0].token_ids for o in (mixed[0], mixed[2])] == [o.outputs[0].token_ids for o in alone]
+    jsonschema.validate(json.loads(mixed[1].outputs[0].text), schema)
+    assert mixed[3].outputs[0].text in CHOICES
+    assert re.fullmatch(REGEX, mixed[4].outputs[0].text)
+    # Only the grammar requests were ever in a bitmask.
+    masked = {req_id for b in bitmasks if b is not None for req_id in b.req_ids}
+    assert len(masked) == 3
+    # A grammar request's output is the same whatever the batch.
+    again = llm.generate(["In 1969"], [grammars[0]])[0].outputs[0]
+    assert again.token_ids == mixed[1].outputs[0].token_ids
+
+
+def test_a_preempted_grammar_request_resumes_and_validates(tiny_llama_dir):
+    schema = SCHEMAS[8][0]
+
+    def run(blocks: int, with_hog: bool):
+        llm = LLM(str(tiny_llama_dir), block_size=4, num_gpu_blocks_override=blocks, max_model_len=256,
+                  enable_prefix_caching=False)
+        hog = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        grammar = constrained(1.0, seed=7, max_tokens=60, json=schema, disable_any_whitespace=True)
+        prompts = [list(range(10, 30)), list(range(40, 50))]
+        outputs = llm.generate(prompts if with_hog else prompts[1:], [hog, grammar] if with_hog else [grammar])
+        return outputs[-1].outputs[0], llm.get_stats().num_preemptions
+
+    alone, _ = run(blocks=128, with_hog=False)
+    squeezed, preemptions = run(blocks=22, with_hog=True)
+    assert preemptions > 0
+    jsonschema.validate(json.loads(squeezed.text), schema)
+    assert squeezed.token_ids == alone.token_ids
+
+
+def test_an_unsupported_schema_is_refused_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="uniqueItems"):
+        llm.generate([PROMPT], constrained(json={"type": "array", "uniqueItems": True}))
+    assert not llm.engine.has_unfinished_requests()
