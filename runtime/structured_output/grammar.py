@@ -19,6 +19,11 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "items")
 
+# JSON's whitespace between two tokens, bounded (xgrammar's max_whitespace_cnt does the same): a
+# model can indent nine levels deep, two spaces a level, but cannot fill max_tokens with blanks,
+# a known failure of small models under an unbounded whitespace rule.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
+
 
 class UnsupportedGrammar(ValueError):
     """The constraint is malformed or uses a feature the grammar engine cannot enforce."""
@@ -27,9 +32,10 @@ class UnsupportedGrammar(ValueError):
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params` (not yet checked: see `check`)."""
     kind = params.kind
-    options = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.disable_any_whitespace:
-        options.update(item_separator=",", key_separator=":")
+        options = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    else:
+        options = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(params.json_schema), defaults=options)
     if kind == "json_object":

@@ -27,8 +27,8 @@ class StructuredOutputsParams:
     - `grammar`: an EBNF grammar (xgrammar's GBNF dialect, with a `root` rule).
     - `json_object`: True for any JSON object (OpenAI's `response_format: json_object`).
 
-    `disable_any_whitespace` (vLLM's name) emits JSON without free whitespace between tokens, so a
-    model cannot wander off into blank space; by default whitespace is allowed.
+    `disable_any_whitespace` (vLLM's name) emits compact JSON, with no whitespace between tokens;
+    by default up to 20 whitespace characters may separate two JSON tokens (enough to indent).
 
     Once the grammar is complete only an end-of-sequence token is allowed, and the request
     finishes with finish_reason "stop" when it is sampled. The frontend refuses a schema the grammar
