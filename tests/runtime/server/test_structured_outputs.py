@@ -147,8 +147,10 @@ class Capital(BaseModel):
 def smollm2_server(smollm2_gguf, tmp_path_factory):
     server = start_server(smollm2_gguf, tmp_path_factory.mktemp("smollm2-structured"), "--max-model-len", "512",
                           "--served-model-name", "smollm2")
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def test_langchain_with_structured_output_on_the_real_model(smollm2_server):
