@@ -126,3 +126,32 @@ def test_an_unsupported_schema_is_refused_before_anything_runs(llm):
     with pytest.raises(ValueError, match="uniqueItems"):
         llm.generate([PROMPT], constrained(json={"type": "array", "uniqueItems": True}))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_tensor_parallel_ranks_get_the_engine_cores_mask(llm, tiny_llama_dir):
+    # The mask is computed once in the engine core and crosses to both workers in the
+    # SchedulerOutput; rank 0's tokens are the answer, and they equal one process's.
+    params = [constrained(1.0, seed=5, json=SCHEMAS[16][0], disable_any_whitespace=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), constrained(choice=CHOICES)]
+    prompts = [PROMPT, "In 1969", "A cache keeps"]
+    tp = LLM(str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=512)
+    try:
+        sharded = tp.generate(prompts, params)
+    finally:
+        tp.engine.shutdown()
+    single = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
+    jsonschema.validate(json.loads(sharded[0].outputs[0].text), SCHEMAS[16][0])
+    assert sharded[2].outputs[0].text in CHOICES
+
+
+def test_grammars_are_compiled_once_per_constraint(llm):
+    manager = llm.engine.structured_output
+    schema = SCHEMAS[1][0]
+    first = manager.request_for(StructuredOutputsParams(json=schema))
+    reordered = manager.request_for(StructuredOutputsParams(json=dict(reversed(list(schema.items())))))
+    other = manager.request_for(StructuredOutputsParams(json=SCHEMAS[2][0]))
+    assert first._compiled is reordered._compiled is not other._compiled
+    # Each request still gets its own matcher.
+    first.accept(llm.tokenizer.token_to_id("{"))
+    assert reordered.start() is not first.start() and reordered.num_accepted == 0
