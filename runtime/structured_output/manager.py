@@ -33,7 +33,8 @@ class StructuredOutputRequest:
     """One request's grammar: ready once compiled; then its matcher follows the output tokens."""
 
     def __init__(self, compiled: Future) -> None:
-        self._compiled = compiled
+        # The grammar in its start state (an LLMatcher), shared by every request with the same constraint.
+        self.compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
         # Tokens the matcher has consumed: equal to the request's output tokens between steps.
         self.num_accepted = 0
@@ -41,40 +42,42 @@ class StructuredOutputRequest:
     @property
     def is_ready(self) -> bool:
         """Compiled (successfully or not): the scheduler may admit the request."""
-        return self._compiled.done()
+        return self.compiled.done()
 
     @property
     def error(self) -> str | None:
-        if not self._compiled.done() or self._compiled.exception() is None:
+        if not self.compiled.done() or self.compiled.exception() is None:
             return None
-        return str(self._compiled.exception())
+        return str(self.compiled.exception())
 
     def start(self) -> llguidance.LLMatcher:
         if self.matcher is None:
-            self.matcher = self._compiled.result().deep_copy()
+            self.matcher = self.compiled.result().deep_copy()
         return self.matcher
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token (the mask allowed it, so the matcher takes it)."""
         matcher = self.start()
         if not matcher.consume_token(token_id):
-            # Only a bug can get here (a mask the sampler ignored); say so rather than loop.
-            raise RuntimeError(f"grammar refused sampled token {token_id}: {matcher.get_error()}")
+            # Only a bug gets here (a mask the sampler did not apply): the matcher is in its error
+            # state for good, which ends the request (is_finished) rather than the engine.
+            logger.error("grammar refused sampled token %d: %s", token_id, matcher.get_error())
         self.num_accepted += 1
 
     @property
     def is_finished(self) -> bool:
         """The grammar is complete: it admits no further token (an EOS it allowed was sampled, or
-        nothing can extend it)."""
-        return self.matcher is not None and self.matcher.is_stopped()
+        nothing can extend it), or it is broken."""
+        return self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error())
 
     def sync(self, output_token_ids: list[int]) -> llguidance.LLMatcher:
-        """The matcher, rebuilt from the request's output tokens if it drifted from them."""
+        """The matcher, rebuilt from the request's output tokens if it drifted from them (tokens it
+        accepted that the request then dropped): the mask must follow the tokens the request has."""
         matcher = self.start()
         if self.num_accepted != len(output_token_ids):
             matcher.reset()
             if output_token_ids and not matcher.consume_tokens(output_token_ids):
-                raise RuntimeError(f"grammar refuses the request's own output: {matcher.get_error()}")
+                logger.error("grammar refuses the request's own output: %s", matcher.get_error())
             self.num_accepted = len(output_token_ids)
         return matcher
 
@@ -120,7 +123,7 @@ class StructuredOutputManager:
     def wait_for_any(pending: Iterable[StructuredOutputRequest], timeout: float) -> None:
         """Block until one of `pending` is compiled, or `timeout` seconds: an engine with nothing but
         grammars to wait for sleeps instead of spinning."""
-        wait([p._compiled for p in pending], timeout=timeout, return_when=FIRST_COMPLETED)
+        wait([p.compiled for p in pending], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def grammar_bitmask(self, sampling: list[tuple[str, StructuredOutputRequest, list[int]]]) -> GrammarBitmask | None:
         """The next-token mask of each (request id, grammar, output tokens) about to sample; None when

@@ -24,7 +24,8 @@ class StructuredOutputsParams:
       Objects admit no properties the schema does not name (OpenAI's strict mode).
     - `regex`: the output matches the regular expression as a whole.
     - `choice`: the output is exactly one of these strings.
-    - `grammar`: an EBNF grammar (xgrammar's GBNF dialect, with a `root` rule).
+    - `grammar`: a context-free grammar, in EBNF (llama.cpp's GBNF, with a `root` rule) or in Lark
+      (llguidance's dialect, with a `start` rule).
     - `json_object`: True for any JSON object (OpenAI's `response_format: json_object`).
 
     `disable_any_whitespace` (vLLM's name) emits compact JSON, with no whitespace between tokens;

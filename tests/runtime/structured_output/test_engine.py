@@ -151,7 +151,35 @@ def test_grammars_are_compiled_once_per_constraint(llm):
     first = manager.request_for(StructuredOutputsParams(json=schema))
     reordered = manager.request_for(StructuredOutputsParams(json=dict(reversed(list(schema.items())))))
     other = manager.request_for(StructuredOutputsParams(json=SCHEMAS[2][0]))
-    assert first._compiled is reordered._compiled is not other._compiled
+    assert first.compiled is reordered.compiled is not other.compiled
     # Each request still gets its own matcher.
     first.accept(llm.tokenizer.token_to_id("{"))
     assert reordered.start() is not first.start() and reordered.num_accepted == 0
+
+
+def test_a_grammar_that_fails_to_compile_in_the_engine_aborts_its_request_only(llm, monkeypatch):
+    # The frontend's check passed, but the engine's compile (against the tokenizer) fails.
+    def failing(params):
+        raise ValueError("tokenizer-specific failure")
+
+    monkeypatch.setattr(llm.engine.structured_output, "_compile", failing)
+    params = constrained(regex="[0-9]{4}-unique-to-this-test")
+    outputs = llm.generate([PROMPT, PROMPT], [params, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].outputs[0].token_ids == []
+    assert len(outputs[1].outputs[0].token_ids) == 4
+    monkeypatch.undo()
+    # A failed compile is not cached: the same constraint compiles on the next request.
+    assert re.fullmatch("[0-9]{4}-unique-to-this-test", llm.generate([PROMPT], params)[0].outputs[0].text)
+
+
+def test_a_matcher_that_ran_ahead_of_its_request_is_rebuilt(llm):
+    grammar = llm.engine.structured_output.request_for(StructuredOutputsParams(choice=["ab", "ac"]))
+    grammar.compiled.result(timeout=60)
+    a, b, c = (llm.tokenizer.token_to_id(ch) for ch in "abc")
+    grammar.accept(a)
+    grammar.accept(b)
+    assert grammar.is_finished
+    # The request kept only "a" (its "b" was dropped): the matcher follows, and "c" is allowed again.
+    matcher = grammar.sync([a])
+    assert grammar.num_accepted == 1 and not grammar.is_finished
+    assert matcher.consume_token(c) and matcher.is_stopped()
