@@ -63,7 +63,7 @@ class JsonSchemaFormat(RequestBody):
     name: str | None = None
     description: str | None = None
     # `schema` would shadow a BaseModel attribute.
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
     # Output is held to the schema either way (as vLLM does); strict is accepted for OpenAI's clients.
     strict: bool | None = None
 
@@ -76,7 +76,7 @@ class ResponseFormat(RequestBody):
 
     @model_validator(mode="after")
     def _schema_with_its_type(self):
-        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError("type json_schema needs json_schema.schema")
         return self
 
@@ -155,7 +155,7 @@ class GenerationRequest(RequestBody):
         given: dict[str, dict] = {}
         if self.response_format is not None and self.response_format.type != "text":
             given["response_format"] = ({"json_object": True} if self.response_format.type == "json_object"
-                                        else {"json": self.response_format.json_schema.json_schema})
+                                        else {"json": self.response_format.json_schema.schema_})
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
         for kind in ("json", "regex", "choice", "grammar"):
