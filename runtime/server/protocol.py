@@ -82,7 +82,12 @@ class ResponseFormat(RequestBody):
 
 
 class StructuredOutputsBody(RequestBody):
-    """vLLM's structured_outputs object; exactly one constraint (checked in StructuredOutputsParams)."""
+    """vLLM's structured_outputs object; exactly one constraint (checked in StructuredOutputsParams).
+
+    vLLM's other keys (structural_tag, whitespace_pattern, ...) are not implemented: refused, not ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
@@ -130,6 +135,7 @@ class GenerationRequest(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -147,6 +153,8 @@ class GenerationRequest(RequestBody):
     def _unsupported(self):
         if self.best_of is not None:
             raise ValueError("best_of is not supported by this server")
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported by this server")
         return self
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -113,6 +113,8 @@ def test_a_streamed_grammar_adds_up_to_a_valid_document(http):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "structured_outputs",
      "response_format, guided_regex"),
     ({"guided_choice": []}, "structured_outputs", "non-empty"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, None, "guided_whitespace_pattern"),
 ])
 @pytest.mark.parametrize("route", ROUTES)
 def test_what_cannot_be_enforced_is_a_400_naming_it(http, route, fields, param, named):
