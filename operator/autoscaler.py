@@ -2,7 +2,13 @@
 parameter, and what it remembers between intervals (its recent recommendations) goes in and
 comes out as a value.
 
-- Per ready replica, saturation = max(kv / targetKVCacheUsage, waiting / targetQueueDepth).
+- Per ready replica, saturation = max(kv / targetKVCacheUsage, queue term). The queue term is
+  waiting / targetQueueDepth up to the target (1). Beyond it the excess waiting is a backlog, a
+  stock of requests and not a rate, so it is read in replicas' batches: 1 + excess / batch, where
+  batch is what the replica runs now (num_requests_running, at least targetQueueDepth). That many
+  added replicas take the backlog into their batches at once: it drains within about one batch
+  turnover (a request's service time) by the capacity of the replicas added, where reading it as a
+  rate would ask for one replica per targetQueueDepth waiting requests.
 - The recommendation is ceil(ready x mean saturation), unless the mean lies within 10 % of 1.
 - Scaling up takes the lowest recommendation of the last scaleUpStabilizationSeconds (0: the
   current one), and at most doubles the count (or adds 4, whichever is more) per decision;
@@ -168,11 +174,16 @@ def _problem(
     return None
 
 
+def _queue_term(policy: Policy, sample: samples.PodSample) -> float:
+    target = policy.target_queue_depth
+    excess = sample.num_waiting - target
+    if excess <= 0:
+        return sample.num_waiting / target
+    return 1 + excess / max(sample.num_running, target)
+
+
 def _load(policy: Policy, used: Sequence[samples.PodSample]) -> Load:
-    saturations = [
-        max(s.kv_cache_usage / policy.target_kv_cache_usage, s.num_waiting / policy.target_queue_depth)
-        for s in used
-    ]
+    saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s)) for s in used]
     return Load(
         kv_cache_usage=sum(s.kv_cache_usage for s in used) / len(used),
         queue_depth=sum(s.num_waiting for s in used) / len(used),

@@ -5,10 +5,10 @@ with one interval's reading (control.py: the autoscaler first, then the tuner, w
 whether the engine can still scale from the replicas the interval began with). They differ
 only in the spec they carry:
 - `kvpilot`: autoscaling on, with both of autoscaler.decide's terms (KV-cache usage and queue);
-- `queue-only`: the same decide() with the KV term switched off (its target infinite). That is
-  what a KEDA Prometheus trigger on vllm:num_requests_waiting does: the HPA computes
-  ceil(total waiting / target), scales up by at most max(100 %, 4 pods) per period and down over
-  a 300 s stabilization window, which is decide()'s arithmetic on the queue term alone;
+- `queue-only`: the same decide() with the KV term switched off (its target infinite): a
+  KEDA-style trigger on vllm:num_requests_waiting, scaling up by at most max(100 %, 4 pods) per
+  period and down over a 300 s stabilization window. (The HPA itself computes ceil(total waiting
+  / target), a backlog read as a rate; decide()'s queue term reads it in batches instead.)
 - `kv-only`: the queue term switched off;
 - `static-peak`, `static-mean`: autoscaling off, a fixed count;
 and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`).

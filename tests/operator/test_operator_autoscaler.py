@@ -15,14 +15,15 @@ POLICY = autoscaler.Policy(
 )
 
 
-def reading(t: float, *pods: tuple[float, float]) -> samples.Reading:
-    """A reading of pods p0, p1, ... with (kv, waiting) each, taken at `t`."""
+def reading(t: float, *pods: tuple[float, ...]) -> samples.Reading:
+    """A reading of pods p0, p1, ... with (kv, waiting) or (kv, waiting, running) each, taken at `t`."""
     return samples.Reading(samples={
-        f"p{i}": samples.PodSample(f"p{i}", kv, waiting, 0, t) for i, (kv, waiting) in enumerate(pods)
+        f"p{i}": samples.PodSample(f"p{i}", pod[0], pod[1], pod[2] if len(pod) > 2 else 0, t)
+        for i, pod in enumerate(pods)
     })
 
 
-def decide(replicas: int, pods: list[tuple[float, float]], *, t: float = 0.0, starting: int = 0,
+def decide(replicas: int, pods: list[tuple[float, ...]], *, t: float = 0.0, starting: int = 0,
            history: tuple = (), policy: autoscaler.Policy = POLICY) -> autoscaler.Decision:
     return autoscaler.decide(policy, replicas, [f"p{i}" for i in range(len(pods))], starting,
                              reading(t, *pods), history, t)
@@ -74,6 +75,37 @@ def test_saturation_is_the_larger_of_kv_and_queue_per_target() -> None:
     assert decide(1, [(0.1, 12)]).replicas == 3
     # Mixed pods: mean of max(0.4, 0.4)=0.4 and max(1.2, 2.0)=2.0 is 1.2 -> ceil(2.4) = 3.
     assert decide(2, [(0.2, 2), (0.6, 10)]).replicas == 3
+
+
+def test_a_backlog_is_read_in_batches_of_the_replicas_added() -> None:
+    wide = dataclasses.replace(POLICY, max_replicas=1000)
+    # 10 replicas running 256 each, 100 waiting each: the 95 beyond the target of 5 fit in
+    # 95/256 of a batch: 10 x (1 + 95/256) = 13.7 -> 14. Read as a rate (100 / 5 per replica)
+    # it would be 200, which doubling would cap at 20 now and reach within three intervals.
+    backlog = decide(10, [(0.3, 100, 256)] * 10, policy=wide)
+    assert backlog.replicas == 14
+    assert math.isclose(backlog.load.saturation, 1 + 95 / 256)
+    # A thousand waiting on one replica running 256 (a flash crowd's first interval): 1 + 995/256
+    # = 4.9 -> 5 replicas, which take the thousand into their batches; not maxReplicas.
+    assert decide(1, [(0.3, 1000, 256)], policy=wide).replicas == 5
+    # Up to the target the queue reads as before, whatever runs: 4 waiting of 5 on 256 running.
+    assert math.isclose(decide(2, [(0.0, 4, 256)] * 2).load.saturation, 0.8)
+    # A batch smaller than the target counts as the target: the rate reading of before.
+    assert decide(1, [(0.0, 12, 2)]).replicas == decide(1, [(0.0, 12, 0)]).replicas == 3
+
+
+def test_a_draining_backlog_climbs_no_further() -> None:
+    # A Service does not move queued requests: the backlog drains on the replica that holds it
+    # (20 a second here) while the 4 added replicas take new arrivals (0.3 / 0.5 = 0.6 each).
+    # At t=15 the 700 left still read as 1 + 695/256 batches: 3.7 + 4 x 0.6 = 6.1 -> 7 (read as
+    # a rate: 140 + 2.4, doubling to 10, then to maxReplicas). It never climbs after that; once
+    # the backlog drains, the window lets the count down to what the load needs, never up again.
+    wide = dataclasses.replace(POLICY, max_replicas=1000)
+    timeline = [(0, [(0.3, 1000, 256)])]
+    timeline += [(t, [(0.3, max(0, 1000 - 20 * t), 256)] + [(0.3, 0, 100)] * 4) for t in range(15, 600, 15)]
+    counts = replay(wide, timeline, replicas=1)
+    assert counts[:2] == [5, 7] and max(counts) == 7
+    assert counts[1:] == sorted(counts[1:], reverse=True) and counts[-1] == 3
 
 
 @pytest.mark.parametrize(("kv", "expected"), [

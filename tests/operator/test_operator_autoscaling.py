@@ -177,13 +177,15 @@ def test_prometheus_down_holds_the_count_until_it_returns(tmp_path: Path) -> Non
 def test_saturated_at_max_replicas_is_scaling_limited(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):
-            await pods(k, fake, ["qwen-a", "qwen-b"], kv=0.95, waiting=20)
+            # 0.95 / 0.5 = 1.9; the 16 waiting beyond the target of 4 are one batch of the 16
+            # each runs: 1 + 16/16 = 2 (read as a rate, 20 / 4 = 5). 2 x 2 = 4 replicas.
+            await pods(k, fake, ["qwen-a", "qwen-b"], kv=0.95, waiting=20, running=16)
             await created(k, spec_with(2, maxReplicas=2))
             limited = await eventually(
                 lambda: condition(k.engine("qwen"), "ScalingLimited").get("status") == "True"
                 and condition(k.engine("qwen"), "ScalingLimited"), "ScalingLimited")
             assert limited["reason"] == "TooManyReplicas"
-            assert "the load asks for 10 replicas; maxReplicas is 2" in limited["message"]
+            assert "the load asks for 4 replicas; maxReplicas is 2" in limited["message"]
             assert replicas(k) == 2 and not scale_writes(k)
 
     run(scenario())
