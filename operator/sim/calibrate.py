@@ -1,10 +1,15 @@
-"""A profile from the real engine on this machine: offline `LLM` runs timed over batch sizes and
-context lengths, and the profile's three step-cost coefficients fitted to them by least squares.
+"""A profile from the real engine on this machine: the engine's own steps timed one by one over
+batch sizes and context lengths, and the profile's three step-cost coefficients fitted to them
+by least squares.
 
-Each point is two runs of `batch` distinct random prompts of `context` tokens: one that only
-prefills (max_tokens 1), and one that also decodes `decode_steps` more tokens (ignore_eos). The
-first gives a prefill step's time; the difference, divided by decode_steps, a decode step's at
-that batch and mean context. Prefix caching is off, so that no prompt shares another's blocks.
+Each point is one offline `LLM` run of `batch` distinct random prompts of `context` tokens that
+generates 1 + decode_steps tokens each (ignore_eos). With the token budget at the largest
+batch x context, its first step prefills every prompt at once (tokens = context = batch x
+context) and each of the next decode_steps steps decodes one token per request (tokens = batch,
+context = batch x (context + j) after step j). Every EngineCore.step() is timed on its own, so
+the per-call work of `generate` (adding requests, output processing, detokenizing) stays out of
+the step cost, as it does in the server, where the API-server process does it. Prefix caching is
+off, so that no prompt shares another's blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,23 @@ import numpy as np
 from kvpilot.operator.sim.profile import Profile
 
 
+class _TimedSteps:
+    """The EngineCore, with the wall time of each step() it runs recorded."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.seconds: list[float] = []
+
+    def step(self):
+        started = time.perf_counter()
+        outputs = self._engine.step()
+        self.seconds.append(time.perf_counter() - started)
+        return outputs
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
 def calibrate(model: str, *, batch_sizes: Sequence[int], context_lens: Sequence[int], decode_steps: int,
               num_gpu_blocks: int, block_size: int = 16, seed: int = 0) -> Profile:
     from kvpilot.runtime.engine.llm import LLM
@@ -25,33 +47,37 @@ def calibrate(model: str, *, batch_sizes: Sequence[int], context_lens: Sequence[
     largest = max(batch_sizes) * max(context_lens)
     llm = LLM(model, num_gpu_blocks_override=num_gpu_blocks, block_size=block_size, enable_prefix_caching=False,
               max_num_seqs=max(batch_sizes), max_num_batched_tokens=largest, seed=seed)
+    timed = llm.engine = _TimedSteps(llm.engine)
     rng = np.random.default_rng(seed)
     vocab = llm.tokenizer.get_vocab_size()
 
-    def seconds(batch: int, context: int, max_tokens: int) -> float:
+    def steps(batch: int, context: int) -> list[float]:
         prompts = [rng.integers(1, vocab, size=context).tolist() for _ in range(batch)]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        started = time.perf_counter()
-        llm.generate(prompts, params)
-        return time.perf_counter() - started
+        timed.seconds = []
+        llm.generate(prompts, SamplingParams(max_tokens=1 + decode_steps, ignore_eos=True, temperature=0.0))
+        # The last call finds nothing left to run.
+        ran = [s for s in timed.seconds[:-1]] if len(timed.seconds) == decode_steps + 2 else timed.seconds
+        if len(ran) != 1 + decode_steps:
+            raise RuntimeError(f"expected one prefill and {decode_steps} decode steps, the engine ran {len(ran)}")
+        return ran
 
-    seconds(1, min(context_lens), 2)  # warm-up: first calls pay for allocation and compilation
+    steps(min(batch_sizes), min(context_lens))  # warm-up: first calls pay for allocation and compilation
     rows, times = [], []
     for batch in batch_sizes:
         for context in context_lens:
-            prefill = seconds(batch, context, 1)
-            decode = (seconds(batch, context, 1 + decode_steps) - prefill) / decode_steps
-            rows.append((1.0, batch * context, batch * context))
+            prefill, *decodes = steps(batch, context)
+            rows.append((1.0, batch * context, batch, batch * context))
             times.append(prefill)
-            rows.append((1.0, batch, batch * (context + 1 + decode_steps / 2)))
-            times.append(max(decode, 0.0))
+            for j, seconds in enumerate(decodes, start=1):
+                rows.append((1.0, batch, batch, batch * (context + j)))
+                times.append(seconds)
     coefficients = _non_negative_least_squares(np.asarray(rows), np.asarray(times))
     return Profile(
         name=f"{model} on this machine",
-        source=f"kvpilot simulate calibrate: batches {list(batch_sizes)}, contexts {list(context_lens)},"
-               f" {decode_steps} decode steps per point",
-        base_s=float(coefficients[0]), per_token_s=float(coefficients[1]),
-        per_context_token_s=float(coefficients[2]), num_gpu_blocks=num_gpu_blocks - 1, block_size=block_size,
+        source=f"kvpilot simulate calibrate: {len(times)} engine steps timed over batches {list(batch_sizes)},"
+               f" contexts {list(context_lens)}, {decode_steps} decode steps per point",
+        base_s=float(coefficients[0]), per_token_s=float(coefficients[1]), per_sequence_s=float(coefficients[2]),
+        per_context_token_s=float(coefficients[3]), num_gpu_blocks=num_gpu_blocks - 1, block_size=block_size,
     )
 
 

@@ -113,8 +113,8 @@ def capacity(profile: Profile, engine: Engine, prompt_tokens: float, output_toke
     context = prompt_tokens + output_tokens / 2
     batch = max(1.0, min(engine.max_num_seqs,
                          kv_cache_usage * profile.num_gpu_blocks * profile.block_size / context))
-    decode_step = profile.step_seconds(batch, batch * context)
-    replica_seconds = output_tokens * decode_step / batch + profile.per_token_s * prompt_tokens
+    decode_step = profile.step_seconds(batch, batch, batch * context)
+    replica_seconds = output_tokens * decode_step / batch + profile.per_token_s * prompt_tokens + profile.per_sequence_s
     return 1.0 / replica_seconds
 
 

@@ -1,14 +1,17 @@
 """What one replica costs per scheduler step, and how much KV it holds.
 
-A step that schedules `tokens` new tokens over requests whose KV after the step spans `context`
-tokens in all takes
+A step that schedules `tokens` new tokens for `sequences` requests whose KV after the step spans
+`context` tokens in all takes
 
-    base_s + per_token_s * tokens + per_context_token_s * context
+    base_s + per_token_s * tokens + per_sequence_s * sequences + per_context_token_s * context
 
-seconds: the weights read once per step (base), the matmuls per token, and the attention's
-read of the KV cache. `kvpilot simulate calibrate` fits the three coefficients to steps timed on
-the real engine; the built-in profiles below are rooflines of published hardware and model
-figures, with the efficiencies they assume written next to them.
+seconds: the weights read once per step (base), the matmuls per token, what each request in the
+batch costs apart from its tokens (its row of the input batch, its sampling, its attention
+call), and the attention's read of the KV cache. A decode token pays per_token_s and
+per_sequence_s; a prompt token only per_token_s, its request's per_sequence_s once per step.
+`kvpilot simulate calibrate` fits the four coefficients to the real engine's steps, timed one
+by one; the built-in profiles below are rooflines of published hardware and model figures, with
+the efficiencies they assume written next to them (no per-sequence term: a roofline has none).
 """
 
 from __future__ import annotations
@@ -28,15 +31,18 @@ class Profile:
     per_context_token_s: float
     num_gpu_blocks: int  # the KV pool, in blocks of block_size tokens
     block_size: int = 16
+    per_sequence_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.base_s, self.per_token_s, self.per_context_token_s) < 0 or self.base_s + self.per_token_s <= 0:
+        costs = (self.base_s, self.per_token_s, self.per_sequence_s, self.per_context_token_s)
+        if min(costs) < 0 or self.base_s + self.per_token_s + self.per_sequence_s <= 0:
             raise ValueError(f"profile {self.name}: step costs must be non-negative and a step must take time")
         if self.num_gpu_blocks < 1 or self.block_size < 1:
             raise ValueError(f"profile {self.name}: num_gpu_blocks and block_size must be positive")
 
-    def step_seconds(self, tokens: float, context: float) -> float:
-        return self.base_s + self.per_token_s * tokens + self.per_context_token_s * context
+    def step_seconds(self, tokens: float, sequences: float, context: float) -> float:
+        return (self.base_s + self.per_token_s * tokens + self.per_sequence_s * sequences
+                + self.per_context_token_s * context)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")

@@ -68,7 +68,7 @@ class Replica:
     __slots__ = ("name", "profile", "max_num_seqs", "max_num_batched_tokens", "timeout", "ledger", "policy",
                  "waiting", "prefilling", "decoding", "num_decoding", "sum_prompt", "sum_joined", "steps",
                  "prefill_blocks", "mode", "run_start", "run_steps", "run_first", "chunks", "preemptions",
-                 "_order", "_pool")
+                 "admissions", "_order", "_pool")
 
     def __init__(self, name: str, profile: Profile, *, max_num_seqs: int, max_num_batched_tokens: int,
                  timeout: float, ledger: Ledger, policy: str = FCFS) -> None:
@@ -94,6 +94,9 @@ class Replica:
         self.run_first = 0.0  # a run's first step's cost less its context growth
         self.chunks: list[tuple[Request, int]] = []
         self.preemptions = 0
+        # (admission number, request) in admission order; entries of requests since ended or
+        # admitted again are dropped lazily. fcfs preempts the newest live one.
+        self.admissions: list[tuple[int, Request]] = []
         self._order = itertools.count()
         self._pool = profile.num_gpu_blocks
 
@@ -145,6 +148,9 @@ class Replica:
 
     def expire(self, now: float) -> None:
         """Drop the waiting requests whose clients have given up."""
+        waiting = self.waiting
+        if not waiting or (self.policy == FCFS and now - waiting[0][1] <= self.timeout):
+            return  # fcfs: the head arrived first, so no one has waited longer
         kept = [item for item in self.waiting if not self._expired(item[3], now)]
         if len(kept) != len(self.waiting):
             for *_, request in self.waiting:
@@ -207,7 +213,7 @@ class Replica:
         self.mode = RUN
         self.run_start = now
         self.run_steps = max(1, min(decoding[0][0] - self.steps, fitting))
-        self.run_first = profile.base_s + profile.per_token_s * n + profile.per_context_token_s * context
+        self.run_first = profile.step_seconds(n, n, context)
         return now + self._run_seconds(self.run_steps)
 
     def _run_seconds(self, k: int) -> float:
@@ -259,6 +265,7 @@ class Replica:
             request.remaining = request.prompt + request.generated
             request.computed = 0
             request.admitted = next(self._order)
+            self.admissions.append((request.admitted, request))
             self.prefilling.append(request)
             chunk = min(request.remaining, budget)
             chunks.append((request, chunk))
@@ -270,7 +277,7 @@ class Replica:
             return None
         self.mode = STEP
         self.chunks = chunks
-        return now + profile.step_seconds(tokens, context)
+        return now + profile.step_seconds(tokens, n + len(chunks), context)
 
     def _admissible(self, now: float) -> bool:
         waiting = self.waiting
@@ -306,14 +313,11 @@ class Replica:
         self.sum_joined -= request.joined
 
     def _preempt(self) -> None:
-        # The heap drops its stale entries here, where it is walked anyway.
-        self.decoding = [item for item in self.decoding if item[2].entry == item[1]]
-        heapq.heapify(self.decoding)
-        running = self.prefilling + [r for *_, r in self.decoding]
         if self.policy == PRIORITY:
-            victim = max(running, key=lambda r: (r.priority, r.arrival, r.admitted))
+            live = (r for _, entry, r in self.decoding if r.entry == entry)
+            victim = max(itertools.chain(self.prefilling, live), key=lambda r: (r.priority, r.arrival, r.admitted))
         else:
-            victim = max(running, key=lambda r: r.admitted)
+            victim = self._last_admitted()
         if victim.entry >= 0:
             victim.generated = self.steps - victim.joined
             self._stop_decoding(victim)
@@ -323,6 +327,14 @@ class Replica:
             victim.blocks = 0
         self.preemptions += 1
         self._queue(victim)
+
+    def _last_admitted(self) -> Request:
+        admissions = self.admissions
+        if len(admissions) > 2 * (self.num_decoding + len(self.prefilling)) + 64:
+            admissions[:] = [item for item in admissions if _running(*item)]
+        while not _running(*admissions[-1]):
+            admissions.pop()
+        return admissions[-1][1]
 
     def _queue(self, request: Request) -> None:
         heapq.heappush(self.waiting, self._key(request))
@@ -341,3 +353,7 @@ class Replica:
     def _expired(self, request: Request, now: float) -> bool:
         return request.first_token is None and now - request.arrival > self.timeout
 
+
+def _running(admitted: int, request: Request) -> bool:
+    """Whether this admission of `request` is still running (decoding, or prefilling: holding blocks)."""
+    return request.admitted == admitted and (request.entry >= 0 or request.blocks > 0)

@@ -10,7 +10,7 @@ from kvpilot.operator.sim.profile import Profile
 from kvpilot.operator.sim.replica import Replica, Request
 
 PROFILE = Profile("test", "made up", base_s=0.01, per_token_s=1e-4, per_context_token_s=1e-6, num_gpu_blocks=64,
-                  block_size=4)
+                  block_size=4, per_sequence_s=3e-4)
 
 
 class Ledger:
@@ -45,9 +45,9 @@ def test_one_request_alone_costs_its_steps_one_by_one():
     r = replica(ledger)
     prompt, output = 10, 7
     run_until_idle(r, r.add(Request(0, 0.0, prompt, output, 0), 0.0))
-    prefill = PROFILE.step_seconds(prompt, prompt)
+    prefill = PROFILE.step_seconds(prompt, 1, prompt)
     # Decode step g (g tokens generated before it) attends prompt + g + 1 tokens.
-    decode = sum(PROFILE.step_seconds(1, prompt + g + 1) for g in range(1, output))
+    decode = sum(PROFILE.step_seconds(1, 1, prompt + g + 1) for g in range(1, output))
     assert ledger.first[0] == pytest.approx(prefill, rel=1e-12)
     assert ledger.ended[0] == ("finished", pytest.approx(prefill + decode, rel=1e-12))
 
@@ -57,15 +57,15 @@ def test_an_arrival_joins_at_the_end_of_the_step_in_flight():
     r = replica(ledger)
     when = r.add(Request(0, 0.0, 8, 100, 0), 0.0)
     r.advance(when)  # prefilled at `when`: from there a run of decode steps
-    step = PROFILE.step_seconds(1, 8 + 2)
+    step = PROFILE.step_seconds(1, 1, 8 + 2)
     arrival = when + 2.5 * step
     change = r.add(Request(1, arrival, 8, 3, 0), arrival)
     assert change is not None and change > arrival
     # The third decode step ends there, and the newcomer's prefill is scheduled from it.
-    expected = when + sum(PROFILE.step_seconds(1, 8 + 1 + j) for j in range(1, 4))
+    expected = when + sum(PROFILE.step_seconds(1, 1, 8 + 1 + j) for j in range(1, 4))
     assert change == pytest.approx(expected, rel=1e-9)
     run_until_idle(r, change)
-    assert ledger.first[1] == pytest.approx(expected + PROFILE.step_seconds(1 + 8, 8 + 1 + 4 + 8), rel=1e-9)
+    assert ledger.first[1] == pytest.approx(expected + PROFILE.step_seconds(1 + 8, 2, 8 + 1 + 4 + 8), rel=1e-9)
     assert set(ledger.ended) == {0, 1}
 
 
