@@ -1,14 +1,19 @@
 """The autoscaler: a window of per-pod samples -> desired replicas. Pure: no I/O, the clock is a
-parameter, and what it remembers between intervals (its recent recommendations) goes in and
-comes out as a value.
+parameter, and what it remembers between intervals (its recent recommendations, the last
+reading and a replica's capacity) goes in and comes out as a value.
 
-- Per ready replica, saturation = max(kv / targetKVCacheUsage, queue term). The queue term is
-  waiting / targetQueueDepth up to the target (1). Beyond it the excess waiting is a backlog, a
-  stock of requests and not a rate, so it is read in replicas' batches: 1 + excess / batch, where
-  batch is what the replica runs now (num_requests_running, at least targetQueueDepth). That many
-  added replicas take the backlog into their batches at once: it drains within about one batch
-  turnover (a request's service time) by the capacity of the replicas added, where reading it as a
-  rate would ask for one replica per targetQueueDepth waiting requests.
+- Per ready replica, saturation = the largest of three terms, in replicas at target:
+  KV: kv / targetKVCacheUsage.
+  Queue: waiting / targetQueueDepth up to the target (1). Beyond it the excess is a backlog (a
+  stock, not a rate) that drains where it waits: at the replica's completion rate (its
+  vllm:request_success_total since the previous reading) less the arrivals still routed to it.
+  To drain it within BACKLOG_DRAIN_SECONDS those must shrink to completed - excess / horizon:
+  the term is arrived / that. Where the rates are unknown, the excess is read in batches of what
+  the replica runs (num_requests_running, at least targetQueueDepth). Read as a rate, as the HPA
+  reads an average value, a backlog would ask for one replica per targetQueueDepth requests.
+  Arrivals: arrived / (capacity x targetKVCacheUsage), with capacity what a replica completes
+  per second while it has a backlog, measured then and kept in the decision's Memory: it holds
+  the replicas the traffic needs when the queues are empty and KV usage lags.
 - The recommendation is ceil(ready x mean saturation), unless the mean lies within 10 % of 1.
 - Scaling up takes the lowest recommendation of the last scaleUpStabilizationSeconds (0: the
   current one), and at most doubles the count (or adds 4, whichever is more) per decision;
@@ -23,12 +28,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator import samples
 
 TOLERANCE = 0.1
+# How soon a backlog beyond targetQueueDepth should be gone: within a client's patience.
+BACKLOG_DRAIN_SECONDS = 60.0
+# A backlog too large to drain within that even with no arrivals asks to spread them this thin.
+MAX_SPREAD = 10.0
 # A sample older than this many intervals is stale.
 STALE_INTERVALS = 3
 SCALE_UP_FACTOR = 2
@@ -96,6 +105,16 @@ class Decision:
     load: Load | None  # None when the metrics could not be used
     # (time, recommendation) pairs inside the stabilization windows: the next call's `history`.
     history: tuple[tuple[float, int], ...]
+    memory: Memory = field(default_factory=lambda: Memory())  # the next call's `memory`
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What one reading leaves for the next: the pods' samples, for their rates since, and what a
+    replica completes per second while it has a backlog (its capacity; None until one was seen)."""
+
+    pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
+    capacity: float | None = None
 
 
 def decide(
@@ -106,14 +125,22 @@ def decide(
     reading: samples.Reading,
     history: tuple[tuple[float, int], ...],
     now: float,
+    memory: Memory | None = None,
 ) -> Decision:
     """`replicas` is spec.replicas; `ready` names the ready pods, `starting` counts the pods that
-    exist but are not ready yet (terminating ones count in neither)."""
+    exist but are not ready yet (terminating ones count in neither). `memory` is the last
+    decision's."""
+    memory = memory or Memory()
     problem = _problem(policy, ready, starting, reading, now)
     if problem is not None:
-        return Decision(replicas, "", problem.message, (problem,), None, history)
-    used = [reading.samples[pod] for pod in ready]
-    load = _load(policy, used)
+        return Decision(replicas, "", problem.message, (problem,), None, history, memory)
+    used = {pod: reading.samples[pod] for pod in ready}
+    rates = {pod: _rates(sample, memory.pods.get(pod)) for pod, sample in used.items()}
+    saturated = [rate[0] for pod, rate in rates.items()
+                 if rate is not None and used[pod].num_waiting > policy.target_queue_depth]
+    capacity = sum(saturated) / len(saturated) if saturated else memory.capacity
+    load = _load(policy, used, rates, capacity)
+    memory = Memory(used, capacity)
 
     # In replicas at target: what the ready replicas carry now. Starting replicas are in
     # `replicas` already, so the capacity on its way is never asked for twice.
@@ -140,9 +167,9 @@ def decide(
         _limit(policy, wanted),
     )
     if target == replicas:
-        return Decision(replicas, "", summary, conditions, load, history)
+        return Decision(replicas, "", summary, conditions, load, history, memory)
     reason = SCALED_UP if target > replicas else SCALED_DOWN
-    return Decision(target, reason, f"{replicas} -> {target} replicas: {summary}", conditions, load, history)
+    return Decision(target, reason, f"{replicas} -> {target} replicas: {summary}", conditions, load, history, memory)
 
 
 def _problem(
@@ -174,21 +201,51 @@ def _problem(
     return None
 
 
-def _queue_term(policy: Policy, sample: samples.PodSample) -> float:
+def _rates(sample: samples.PodSample, before: samples.PodSample | None) -> tuple[float, float] | None:
+    """(completed, arrived) requests per second at the pod since `before`: from its finished
+    counter, and that plus its queue's growth. None when unknown (no earlier reading, no counter,
+    nothing finished, or the counter went back: a restarted engine)."""
+    if before is None or sample.num_finished is None or before.num_finished is None:
+        return None
+    elapsed, done = sample.observed_at - before.observed_at, sample.num_finished - before.num_finished
+    if elapsed <= 0 or done <= 0:
+        return None
+    completed = done / elapsed
+    return completed, max(0.0, completed + (sample.num_waiting - before.num_waiting) / elapsed)
+
+
+def _queue_term(policy: Policy, sample: samples.PodSample, rates: tuple[float, float] | None) -> float:
     target = policy.target_queue_depth
     excess = sample.num_waiting - target
     if excess <= 0:
         return sample.num_waiting / target
-    return 1 + excess / max(sample.num_running, target)
+    if rates is None:
+        return 1 + excess / max(sample.num_running, target)
+    completed, arrived = rates
+    # A Service does not move queued requests: the backlog drains where it is, at the completion
+    # rate less the arrivals still routed here. Those must shrink to completed - excess / horizon.
+    allowed = max(completed - excess / BACKLOG_DRAIN_SECONDS, completed / MAX_SPREAD)
+    return max(1.0, arrived / allowed)
 
 
-def _load(policy: Policy, used: Sequence[samples.PodSample]) -> Load:
-    saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s)) for s in used]
+def _arrival_term(policy: Policy, rates: tuple[float, float] | None, capacity: float | None) -> float:
+    """The pod's arrivals in replicas' capacities, each run at targetKVCacheUsage of what it can do."""
+    if rates is None or capacity is None:
+        return 0.0
+    return rates[1] / (capacity * policy.target_kv_cache_usage)
+
+
+def _load(policy: Policy, used: Mapping[str, samples.PodSample], rates: Mapping[str, tuple[float, float] | None],
+          capacity: float | None) -> Load:
+    saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s, rates[pod]),
+                       _arrival_term(policy, rates[pod], capacity))
+                   for pod, s in used.items()]
+    values = used.values()
     return Load(
-        kv_cache_usage=sum(s.kv_cache_usage for s in used) / len(used),
-        queue_depth=sum(s.num_waiting for s in used) / len(used),
+        kv_cache_usage=sum(s.kv_cache_usage for s in values) / len(used),
+        queue_depth=sum(s.num_waiting for s in values) / len(used),
         saturation=sum(saturations) / len(used),
-        observed_at=min(s.observed_at for s in used),
+        observed_at=min(s.observed_at for s in values),
     )
 
 

@@ -194,12 +194,14 @@ class Autoscaling:
     def __init__(self, reconciler: reconcile.Reconciler) -> None:
         self._reconciler = reconciler
         self._history: dict[Key, tuple[tuple[float, int], ...]] = {}
+        self._memory: dict[Key, autoscaler.Memory] = {}
 
     def wants(self, spec: Mapping[str, Any]) -> bool:
         return bool(spec["autoscaling"]["enabled"])
 
     def forget(self, key: Key) -> None:
         self._history.pop(key, None)
+        self._memory.pop(key, None)
 
     async def step(self, interval: Interval) -> None:
         engine = interval.engine
@@ -213,8 +215,10 @@ class Autoscaling:
             interval.reading,
             self._history.get(key, ()),
             interval.now,
+            self._memory.get(key),
         )
         self._history[key] = decision.history
+        self._memory[key] = decision.memory
         about = cast(kopf.Body, engine)
         available = decision.conditions[0]
         if not available.status:

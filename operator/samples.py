@@ -20,6 +20,9 @@ KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 NUM_WAITING = "vllm:num_requests_waiting"
 NUM_RUNNING = "vllm:num_requests_running"
 METRICS = (KV_CACHE_USAGE, NUM_WAITING, NUM_RUNNING)
+# A counter (summed over finished_reason), read where a pod exports it: two readings of it give
+# the pod's completion rate, which the autoscaler drains a backlog by.
+REQUESTS_FINISHED = "vllm:request_success_total"
 
 # The reasons of MetricsAvailable=False.
 MISSING = "MetricsMissing"
@@ -35,6 +38,7 @@ class PodSample:
     num_waiting: float
     num_running: float
     observed_at: float  # seconds since the epoch: when the pod's gauges were last read
+    num_finished: float | None = None  # REQUESTS_FINISHED; None where the pod does not export it
 
 
 @dataclass(frozen=True)
@@ -54,25 +58,27 @@ class Reading:
 
 
 def checked(pod: str, values: Mapping[str, float], observed_at: float) -> PodSample | Problem:
-    """A sample from the three gauges' values, or the problem with them."""
+    """A sample from the three gauges' values (and the finished-requests counter, if there), or
+    the problem with them."""
     missing = [name for name in METRICS if name not in values]
     if missing:
         return Problem(MISSING, f"pod {pod} reports no {', '.join(missing)}")
-    for name in METRICS:
-        value = values[name]
+    for name in (*METRICS, REQUESTS_FINISHED):
+        value = values.get(name, 0.0)
         if not math.isfinite(value) or value < 0 or (name == KV_CACHE_USAGE and value > 1):
             return Problem(INVALID, f"pod {pod} reports {name} = {value}")
-    return PodSample(pod, values[KV_CACHE_USAGE], values[NUM_WAITING], values[NUM_RUNNING], observed_at)
+    return PodSample(pod, values[KV_CACHE_USAGE], values[NUM_WAITING], values[NUM_RUNNING], observed_at,
+                     values.get(REQUESTS_FINISHED))
 
 
 def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
-    """A pod's /metrics page (Prometheus text format) -> its sample. Series of one gauge (one per
-    model name) are summed."""
+    """A pod's /metrics page (Prometheus text format) -> its sample. Series of one metric (one per
+    model name, or finish reason) are summed."""
     values: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in METRICS:
+                if sample.name in METRICS or sample.name == REQUESTS_FINISHED:
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
     except (ValueError, TypeError, IndexError) as error:
         return Problem(INVALID, f"pod {pod}: /metrics is not Prometheus text ({error})")
@@ -101,6 +107,7 @@ def queries(namespace: str, pods: Iterable[str], window: str) -> dict[str, str]:
     scrape gives its targets; `max by (pod)` folds a pod's series (one per model name) into one."""
     selector = f"{label_matcher('namespace', namespace)},{label_regex_matcher('pod', pods)}"
     found = {name: f"max by (pod) (avg_over_time({name}{{{selector}}}[{window}]))" for name in METRICS}
+    found[REQUESTS_FINISHED] = f"sum by (pod) ({REQUESTS_FINISHED}{{{selector}}})"
     found["observed_at"] = f"max by (pod) (timestamp({KV_CACHE_USAGE}{{{selector}}}))"
     return found
 
@@ -130,7 +137,8 @@ def from_vectors(pods: Iterable[str], vectors: Mapping[str, Mapping[str, float]]
     samples: dict[str, PodSample] = {}
     problems: dict[str, Problem] = {}
     for pod in pods:
-        values = {name: vectors[name][pod] for name in METRICS if pod in vectors[name]}
+        values = {name: vectors[name][pod] for name in (*METRICS, REQUESTS_FINISHED)
+                  if pod in vectors.get(name, {})}
         observed_at = vectors["observed_at"].get(pod)
         if observed_at is None or not math.isfinite(observed_at):
             problems[pod] = Problem(MISSING, f"Prometheus has no {KV_CACHE_USAGE} of pod {pod}")

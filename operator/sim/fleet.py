@@ -268,7 +268,8 @@ class _Simulation:
             replica = self.replicas[rid]
             usage = replica.kv_blocks(now) / pool
             names.append(replica.name)
-            pods[replica.name] = samples.PodSample(replica.name, usage, replica.num_waiting, replica.num_running, now)
+            pods[replica.name] = samples.PodSample(replica.name, usage, replica.num_waiting, replica.num_running, now,
+                                                   replica.finished)
             waiting += replica.num_waiting
             kv_total += usage
         if self.check:

@@ -68,7 +68,7 @@ class Replica:
     __slots__ = ("name", "profile", "max_num_seqs", "max_num_batched_tokens", "timeout", "ledger", "policy",
                  "waiting", "prefilling", "decoding", "num_decoding", "sum_prompt", "sum_joined", "steps",
                  "prefill_blocks", "mode", "run_start", "run_steps", "run_first", "chunks", "preemptions",
-                 "admissions", "_order", "_pool")
+                 "admissions", "finished", "_order", "_pool")
 
     def __init__(self, name: str, profile: Profile, *, max_num_seqs: int, max_num_batched_tokens: int,
                  timeout: float, ledger: Ledger, policy: str = FCFS) -> None:
@@ -94,6 +94,7 @@ class Replica:
         self.run_first = 0.0  # a run's first step's cost less its context growth
         self.chunks: list[tuple[Request, int]] = []
         self.preemptions = 0
+        self.finished = 0  # requests completed here: vllm:request_success_total
         # (admission number, request) in admission order; entries of requests since ended or
         # admitted again are dropped lazily. fcfs preempts the newest live one.
         self.admissions: list[tuple[int, Request]] = []
@@ -132,6 +133,7 @@ class Replica:
             _, entry, request = heapq.heappop(decoding)
             if request.entry == entry:
                 self._stop_decoding(request)
+                self.finished += 1
                 self.ledger.finished(request, now)
         return self._plan(now)
 
@@ -297,6 +299,7 @@ class Replica:
             self.ledger.first_token(request, now)
         generated = request.generated + 1
         if generated >= request.output:
+            self.finished += 1
             self.ledger.finished(request, now)
             return
         request.joined = self.steps - generated

@@ -5,10 +5,11 @@ with one interval's reading (control.py: the autoscaler first, then the tuner, w
 whether the engine can still scale from the replicas the interval began with). They differ
 only in the spec they carry:
 - `kvpilot`: autoscaling on, with both of autoscaler.decide's terms (KV-cache usage and queue);
-- `queue-only`: the same decide() with the KV term switched off (its target infinite): a
-  KEDA-style trigger on vllm:num_requests_waiting, scaling up by at most max(100 %, 4 pods) per
-  period and down over a 300 s stabilization window. (The HPA itself computes ceil(total waiting
-  / target), a backlog read as a rate; decide()'s queue term reads it in batches instead.)
+- `queue-only`: the same decide() with the KV term switched off (its target infinite, which
+  also switches off the arrivals term, scaled by it): a KEDA-style trigger on
+  vllm:num_requests_waiting, scaling up by at most max(100 %, 4 pods) per period and down over a
+  300 s stabilization window. (The HPA itself computes ceil(total waiting / target), a backlog
+  read as a rate; decide()'s queue term drains it over a horizon instead.)
 - `kv-only`: the queue term switched off;
 - `static-peak`, `static-mean`: autoscaling off, a fixed count;
 and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`).
@@ -48,6 +49,7 @@ class ControlLoop:
     # The tuner's view of the spec: the queue target as set, whichever term the autoscaler drops.
     tuner_spec: dict[str, Any]
     history: tuple[tuple[float, int], ...] = ()
+    memory: autoscaler.Memory = field(default_factory=autoscaler.Memory)
     tuner_state: tuner.TunerState = field(default_factory=tuner.TunerState)
 
     @property
@@ -64,8 +66,9 @@ class ControlLoop:
         replicas = spec["replicas"]
         if self.autoscaled:
             decision = autoscaler.decide(autoscaler.Policy.from_spec(spec["autoscaling"]), replicas, ready, starting,
-                                         reading, self.history, now)
+                                         reading, self.history, now, self.memory)
             self.history = decision.history
+            self.memory = decision.memory
             replicas = decision.replicas
         policy = spec["scheduling"]["policy"]
         if policy == tuner.AUTO:

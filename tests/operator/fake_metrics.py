@@ -24,6 +24,7 @@ class Gauges:
     kv: float = 0.0
     waiting: int = 0
     running: int = 0
+    finished: int = 0  # vllm:request_success_total
     scraped_at: float | None = None  # what Prometheus reports as the last scrape; None: now
 
 
@@ -60,7 +61,10 @@ class FakeMetrics:
         page.kv_cache_usage.set(gauges.kv)
         page.num_requests_waiting.set(gauges.waiting)
         page.num_requests_running.set(gauges.running)
-        return web.Response(body=page.render(), content_type="text/plain")
+        # The engine's page counts finished requests per reason from 0; these all stopped.
+        text = re.sub(r'^(vllm:request_success_total\{[^}]*finished_reason="stop"[^}]*\}) 0\.0$',
+                      rf"\g<1> {gauges.finished}.0", page.render().decode(), flags=re.MULTILINE)
+        return web.Response(text=text, content_type="text/plain")
 
     async def _query(self, request: web.Request) -> web.Response:
         self.authorizations.append(request.headers.get("Authorization", ""))
@@ -73,6 +77,8 @@ class FakeMetrics:
         pods = [pod for pod in self.pods if re.escape(pod) in asked.group(1).replace("\\\\", "\\").split("|")]
         if query.startswith("max by (pod) (timestamp("):
             values = {pod: self.pods[pod].scraped_at or time.time() for pod in pods}
+        elif query.startswith("sum by (pod) (vllm:request_success_total{"):
+            values = {pod: self.pods[pod].finished for pod in pods}
         else:
             name = re.search(r"avg_over_time\(([a-z_:]+)\{", query).group(1)
             field_of = {"vllm:kv_cache_usage_perc": "kv", "vllm:num_requests_waiting": "waiting",

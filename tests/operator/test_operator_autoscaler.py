@@ -77,11 +77,74 @@ def test_saturation_is_the_larger_of_kv_and_queue_per_target() -> None:
     assert decide(2, [(0.2, 2), (0.6, 10)]).replicas == 3
 
 
-def test_a_backlog_is_read_in_batches_of_the_replicas_added() -> None:
-    wide = dataclasses.replace(POLICY, max_replicas=1000)
-    # 10 replicas running 256 each, 100 waiting each: the 95 beyond the target of 5 fit in
-    # 95/256 of a batch: 10 x (1 + 95/256) = 13.7 -> 14. Read as a rate (100 / 5 per replica)
-    # it would be 200, which doubling would cap at 20 now and reach within three intervals.
+WIDE = dataclasses.replace(POLICY, max_replicas=1000)
+
+
+def sampled(t: float, waiting: float, finished: float | None, running: float = 256) -> samples.PodSample:
+    return samples.PodSample("p0", 0.3, waiting, running, t, finished)
+
+
+def decide_after(before: samples.PodSample, now: samples.PodSample) -> autoscaler.Decision:
+    """decide() on one pod, with the previous decision's samples."""
+    return autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": now}), (), now.observed_at,
+                             autoscaler.Memory({"p0": before}))
+
+
+def test_a_backlog_is_drained_within_the_horizon_by_routing_arrivals_elsewhere() -> None:
+    # Over 15 s the pod finished 420 requests (28/s) while its queue grew by 180 (12/s): 40/s
+    # arrive. To drain the 995 beyond the target in 60 s at 28/s, at most 28 - 995/60 = 11.4/s
+    # may still arrive here: 40 / 11.4 = 3.5 -> 4 replicas. (Read as a rate, 1000 / 5 = 200.)
+    decision = decide_after(sampled(0, 820, 1000), sampled(15, 1000, 1420))
+    assert decision.replicas == 4
+    assert math.isclose(decision.load.saturation, 40 / (28 - 995 / autoscaler.BACKLOG_DRAIN_SECONDS))
+    # What the next call needs: this reading, and the backlogged pod's 28/s as a replica's capacity.
+    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 1000, 1420)}, capacity=28.0)
+    # The same backlog, shrinking by 20/s: 8/s arrive, fewer than the 16.4/s it may take: held.
+    assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
+    # Too large to drain within the horizon even with no arrivals (2/s finish): arrivals are to
+    # be spread at most MAX_SPREAD times thinner (10 replicas); the step is bounded at 1 + 4.
+    slow = decide_after(sampled(0, 1000, 1000), sampled(15, 1000, 1030))
+    assert math.isclose(slow.load.saturation, autoscaler.MAX_SPREAD)
+    assert slow.replicas == 5
+
+
+def test_arrivals_are_read_in_capacities_learnt_under_a_backlog() -> None:
+    # Two pods, one with a backlog finishing 28/s: a replica's capacity. The other, with no queue,
+    # finished 15/s and took 15/s: at targetKVCacheUsage (0.5) of 28/s, that is 15 / 14 = 1.07
+    # replicas' worth, which neither its KV (0.3 / 0.5) nor its empty queue shows.
+    memory = autoscaler.Memory({"p0": sampled(0, 820, 1000), "p1": sampled(0, 0, 500)})
+    now = samples.Reading({"p0": sampled(15, 1000, 1420), "p1": dataclasses.replace(sampled(15, 0, 725), pod="p1")})
+    decision = autoscaler.decide(WIDE, 2, ["p0", "p1"], 0, now, (), 15.0, memory)
+    assert decision.memory.capacity == 28.0
+    drained = 40 / (28 - 995 / autoscaler.BACKLOG_DRAIN_SECONDS)
+    assert math.isclose(decision.load.saturation, (max(drained, 40 / 14) + 15 / 14) / 2)
+    # Once the backlog is gone the capacity is remembered: 10/s on each of 2 pods reads as 10 / 14
+    # = 0.71 replicas each, so 2 stay, where their KV (0.1 / 0.5) and empty queues would say 1.
+    calm = samples.Reading({pod: samples.PodSample(pod, 0.1, 0, 20, 30.0, 875) for pod in ("p0", "p1")})
+    pods = {pod: samples.PodSample(pod, 0.1, 0, 20, 15.0, 725) for pod in ("p0", "p1")}
+    policy = dataclasses.replace(WIDE, scale_down_stabilization_seconds=0)
+    later = autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods, 28.0))
+    assert later.memory.capacity == 28.0 and math.isclose(later.load.saturation, 10 / 14)
+    assert later.replicas == 2
+    assert autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods)).replicas == 1
+
+
+def test_without_a_completion_rate_a_backlog_is_read_in_batches() -> None:
+    # No previous reading, no counter, nothing finished, a counter that went back (a restart):
+    # the 995 beyond the target are 995/256 batches of what the pod runs: 1 + 995/256 -> 5.
+    for before, now in [(None, sampled(15, 1000, 1420)), (sampled(0, 820, None), sampled(15, 1000, None)),
+                        (sampled(0, 820, 1420), sampled(15, 1000, 1420)),
+                        (sampled(0, 820, 5000), sampled(15, 1000, 20))]:
+        memory = autoscaler.Memory({"p0": before}) if before is not None else None
+        decision = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": now}), (), 15.0, memory)
+        assert decision.replicas == 5 and math.isclose(decision.load.saturation, 1 + 995 / 256)
+
+
+def test_a_backlog_is_read_in_batches_of_what_replicas_run() -> None:
+    wide = WIDE
+    # Without rates: 10 replicas running 256 each, 100 waiting each: the 95 beyond the target
+    # of 5 fit in 95/256 of a batch: 10 x (1 + 95/256) = 13.7 -> 14. Read as a rate (100 / 5 per
+    # replica) it would be 200, which doubling would cap at 20 now and reach within three intervals.
     backlog = decide(10, [(0.3, 100, 256)] * 10, policy=wide)
     assert backlog.replicas == 14
     assert math.isclose(backlog.load.saturation, 1 + 95 / 256)
@@ -95,12 +158,12 @@ def test_a_backlog_is_read_in_batches_of_the_replicas_added() -> None:
 
 
 def test_a_draining_backlog_climbs_no_further() -> None:
-    # A Service does not move queued requests: the backlog drains on the replica that holds it
-    # (20 a second here) while the 4 added replicas take new arrivals (0.3 / 0.5 = 0.6 each).
+    # Without rates. A Service does not move queued requests: the backlog drains on the replica
+    # that holds it (20 a second here) while the 4 added replicas take new arrivals (0.3 / 0.5 = 0.6 each).
     # At t=15 the 700 left still read as 1 + 695/256 batches: 3.7 + 4 x 0.6 = 6.1 -> 7 (read as
     # a rate: 140 + 2.4, doubling to 10, then to maxReplicas). It never climbs after that; once
     # the backlog drains, the window lets the count down to what the load needs, never up again.
-    wide = dataclasses.replace(POLICY, max_replicas=1000)
+    wide = WIDE
     timeline = [(0, [(0.3, 1000, 256)])]
     timeline += [(t, [(0.3, max(0, 1000 - 20 * t), 256)] + [(0.3, 0, 100)] * 4) for t in range(15, 600, 15)]
     counts = replay(wide, timeline, replicas=1)

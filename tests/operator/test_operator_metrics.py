@@ -30,7 +30,7 @@ def test_a_slow_pod_times_out_alone_and_the_others_are_read() -> None:
             return await source.read("ml", [pod("fast"), pod("slow"), pod("gone")], 100.0)
 
     reading = asyncio.run(scenario())
-    assert reading.samples == {"fast": samples.PodSample("fast", 0.25, 1, 0, 100.0)}
+    assert reading.samples == {"fast": samples.PodSample("fast", 0.25, 1, 0, 100.0, num_finished=0.0)}
     assert reading.problems["slow"].reason == samples.MISSING and "TimeoutError" in reading.problems["slow"].message
     assert reading.problems["gone"] == samples.Problem(samples.MISSING, "pod gone: GET /metrics answered 404")
 

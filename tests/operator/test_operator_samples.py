@@ -22,7 +22,19 @@ def engine_page(kv: float, waiting: int, running: int) -> str:
 
 def test_an_engine_page_is_one_sample() -> None:
     assert samples.from_page("qwen-0", engine_page(0.25, 3, 7), 100.0) == samples.PodSample(
-        "qwen-0", 0.25, 3, 7, 100.0)
+        "qwen-0", 0.25, 3, 7, 100.0, num_finished=0.0)
+
+
+def test_finished_requests_are_summed_over_reasons_and_optional() -> None:
+    page = engine_page(0.25, 3, 7)
+    page = page.replace('finished_reason="stop",model_name="tiny"} 0.0', 'finished_reason="stop",model_name="tiny"} 40.0')
+    page = page.replace('finished_reason="length",model_name="tiny"} 0.0', 'finished_reason="length",model_name="tiny"} 2.0')
+    assert samples.from_page("qwen-0", page, 100.0).num_finished == 42
+    # An engine without the counter still gives a sample; the autoscaler then has no rate.
+    gauges_only = "\n".join(line for line in page.splitlines() if "request_success" not in line) + "\n"
+    assert samples.from_page("qwen-0", gauges_only, 100.0) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0)
+    negative = page.replace('"length",model_name="tiny"} 2.0', '"length",model_name="tiny"} -50.0')
+    assert samples.from_page("qwen-0", negative, 100.0).reason == samples.INVALID
 
 
 @pytest.mark.parametrize(("page", "reason", "words"), [
@@ -56,10 +68,11 @@ def test_series_of_several_models_are_summed() -> None:
 
 def test_queries_select_the_pods_with_escaped_labels() -> None:
     found = samples.queries('ml"x', ["qwen-7d9f.a", 'odd"\\pod'], "30s")
-    assert set(found) == {*samples.METRICS, "observed_at"}
+    assert set(found) == {*samples.METRICS, samples.REQUESTS_FINISHED, "observed_at"}
     selector = r'{namespace="ml\"x",pod=~"odd\"\\\\pod|qwen\\-7d9f\\.a"}'
     assert found["vllm:kv_cache_usage_perc"] == f"max by (pod) (avg_over_time(vllm:kv_cache_usage_perc{selector}[30s]))"
     assert found["observed_at"] == f"max by (pod) (timestamp(vllm:kv_cache_usage_perc{selector}))"
+    assert found["vllm:request_success_total"] == f"sum by (pod) (vllm:request_success_total{selector})"
 
 
 def answer(*series: tuple[str, str]) -> dict:
@@ -76,6 +89,8 @@ def test_query_answers_become_samples_per_pod() -> None:
     }
     reading = samples.from_vectors(["a", "b", "c"], vectors)
     assert reading.samples == {"a": samples.PodSample("a", 0.5, 2, 1, 1699999999.5)}
+    counted = samples.from_vectors(["a"], {**vectors, "vllm:request_success_total": samples.vector(answer(("a", "9")))})
+    assert counted.samples["a"].num_finished == 9
     assert reading.problems["b"].reason == samples.INVALID and math.isnan(vectors["vllm:kv_cache_usage_perc"]["b"])
     assert reading.problems["c"] == samples.Problem(
         samples.MISSING, "Prometheus has no vllm:kv_cache_usage_perc of pod c")
