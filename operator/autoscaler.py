@@ -37,7 +37,7 @@ TOLERANCE = 0.1
 # How soon a backlog beyond targetQueueDepth should be gone: within a client's patience.
 BACKLOG_DRAIN_SECONDS = 60.0
 # A backlog too large to drain within that even with no arrivals asks to spread them this thin.
-MAX_SPREAD = 10.0
+MAX_SPREAD = 2.0
 # A sample older than this many intervals is stale.
 STALE_INTERVALS = 3
 SCALE_UP_FACTOR = 2

@@ -68,7 +68,7 @@ class Replica:
     __slots__ = ("name", "profile", "max_num_seqs", "max_num_batched_tokens", "timeout", "ledger", "policy",
                  "waiting", "prefilling", "decoding", "num_decoding", "sum_prompt", "sum_joined", "steps",
                  "prefill_blocks", "mode", "run_start", "run_steps", "run_first", "chunks", "preemptions",
-                 "admissions", "finished", "_order", "_pool")
+                 "admissions", "ranked", "finished", "_order", "_pool")
 
     def __init__(self, name: str, profile: Profile, *, max_num_seqs: int, max_num_batched_tokens: int,
                  timeout: float, ledger: Ledger, policy: str = FCFS) -> None:
@@ -98,6 +98,8 @@ class Replica:
         # (admission number, request) in admission order; entries of requests since ended or
         # admitted again are dropped lazily. fcfs preempts the newest live one.
         self.admissions: list[tuple[int, Request]] = []
+        # The same, as a heap of the largest (priority, arrival, admission) first: priority's victims.
+        self.ranked: list[tuple[int, float, int, Request]] = []
         self._order = itertools.count()
         self._pool = profile.num_gpu_blocks
 
@@ -268,6 +270,7 @@ class Replica:
             request.computed = 0
             request.admitted = next(self._order)
             self.admissions.append((request.admitted, request))
+            heapq.heappush(self.ranked, (-request.priority, -request.arrival, -request.admitted, request))
             self.prefilling.append(request)
             chunk = min(request.remaining, budget)
             chunks.append((request, chunk))
@@ -316,11 +319,7 @@ class Replica:
         self.sum_joined -= request.joined
 
     def _preempt(self) -> None:
-        if self.policy == PRIORITY:
-            live = (r for _, entry, r in self.decoding if r.entry == entry)
-            victim = max(itertools.chain(self.prefilling, live), key=lambda r: (r.priority, r.arrival, r.admitted))
-        else:
-            victim = self._last_admitted()
+        victim = self._lowest_ranked() if self.policy == PRIORITY else self._last_admitted()
         if victim.entry >= 0:
             victim.generated = self.steps - victim.joined
             self._stop_decoding(victim)
@@ -333,11 +332,20 @@ class Replica:
 
     def _last_admitted(self) -> Request:
         admissions = self.admissions
-        if len(admissions) > 2 * (self.num_decoding + len(self.prefilling)) + 64:
+        if len(admissions) > 2 * self.num_running + 64:
             admissions[:] = [item for item in admissions if _running(*item)]
         while not _running(*admissions[-1]):
             admissions.pop()
         return admissions[-1][1]
+
+    def _lowest_ranked(self) -> Request:
+        ranked = self.ranked
+        if len(ranked) > 2 * self.num_running + 64:
+            ranked[:] = [item for item in ranked if _running(-item[2], item[3])]
+            heapq.heapify(ranked)
+        while not _running(-ranked[0][2], ranked[0][3]):
+            heapq.heappop(ranked)
+        return ranked[0][3]
 
     def _queue(self, request: Request) -> None:
         heapq.heappush(self.waiting, self._key(request))

@@ -85,27 +85,27 @@ def sampled(t: float, waiting: float, finished: float | None, running: float = 2
 
 
 def decide_after(before: samples.PodSample, now: samples.PodSample) -> autoscaler.Decision:
-    """decide() on one pod, with the previous decision's samples."""
-    return autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": now}), (), now.observed_at,
+    """decide() on one pod, with the previous decision's samples; the KV target at 1, so that the
+    arrivals term (40/s in 28/s capacities: 1.4) stays below the queue term."""
+    return autoscaler.decide(dataclasses.replace(WIDE, target_kv_cache_usage=1.0), 1, ["p0"], 0, samples.Reading({"p0": now}), (), now.observed_at,
                              autoscaler.Memory({"p0": before}))
 
 
 def test_a_backlog_is_drained_within_the_horizon_by_routing_arrivals_elsewhere() -> None:
     # Over 15 s the pod finished 420 requests (28/s) while its queue grew by 180 (12/s): 40/s
-    # arrive. To drain the 995 beyond the target in 60 s at 28/s, at most 28 - 995/60 = 11.4/s
-    # may still arrive here: 40 / 11.4 = 3.5 -> 4 replicas. (Read as a rate, 1000 / 5 = 200.)
-    decision = decide_after(sampled(0, 820, 1000), sampled(15, 1000, 1420))
-    assert decision.replicas == 4
-    assert math.isclose(decision.load.saturation, 40 / (28 - 995 / autoscaler.BACKLOG_DRAIN_SECONDS))
+    # arrive. To drain the 600 beyond the target in 60 s at 28/s, at most 28 - 600/60 = 18/s may
+    # still arrive here: 40 / 18 = 2.2 -> 3 replicas. (Read as a rate, 605 / 5 = 121.)
+    decision = decide_after(sampled(0, 425, 1000), sampled(15, 605, 1420))
+    assert decision.replicas == 3
+    assert math.isclose(decision.load.saturation, 40 / (28 - 600 / autoscaler.BACKLOG_DRAIN_SECONDS))
     # What the next call needs: this reading, and the backlogged pod's 28/s as a replica's capacity.
-    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 1000, 1420)}, capacity=28.0)
+    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 605, 1420)}, capacity=28.0)
     # The same backlog, shrinking by 20/s: 8/s arrive, fewer than the 16.4/s it may take: held.
     assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
-    # Too large to drain within the horizon even with no arrivals (2/s finish): arrivals are to
-    # be spread at most MAX_SPREAD times thinner (10 replicas); the step is bounded at 1 + 4.
-    slow = decide_after(sampled(0, 1000, 1000), sampled(15, 1000, 1030))
-    assert math.isclose(slow.load.saturation, autoscaler.MAX_SPREAD)
-    assert slow.replicas == 5
+    # Beyond what a halving of its arrivals drains in time (1000 waiting: 28 - 995/60 = 11.4/s
+    # would be needed): at most MAX_SPREAD times thinner, 40 / 14 = 2.9 -> 3.
+    far = decide_after(sampled(0, 820, 1000), sampled(15, 1000, 1420))
+    assert math.isclose(far.load.saturation, 40 / (28 / autoscaler.MAX_SPREAD)) and far.replicas == 3
 
 
 def test_arrivals_are_read_in_capacities_learnt_under_a_backlog() -> None:
@@ -116,8 +116,7 @@ def test_arrivals_are_read_in_capacities_learnt_under_a_backlog() -> None:
     now = samples.Reading({"p0": sampled(15, 1000, 1420), "p1": dataclasses.replace(sampled(15, 0, 725), pod="p1")})
     decision = autoscaler.decide(WIDE, 2, ["p0", "p1"], 0, now, (), 15.0, memory)
     assert decision.memory.capacity == 28.0
-    drained = 40 / (28 - 995 / autoscaler.BACKLOG_DRAIN_SECONDS)
-    assert math.isclose(decision.load.saturation, (max(drained, 40 / 14) + 15 / 14) / 2)
+    assert math.isclose(decision.load.saturation, (40 / 14 + 15 / 14) / 2)
     # Once the backlog is gone the capacity is remembered: 10/s on each of 2 pods reads as 10 / 14
     # = 0.71 replicas each, so 2 stay, where their KV (0.1 / 0.5) and empty queues would say 1.
     calm = samples.Reading({pod: samples.PodSample(pod, 0.1, 0, 20, 30.0, 875) for pod in ("p0", "p1")})
