@@ -323,6 +323,10 @@ class Replica:
         if victim.entry >= 0:
             victim.generated = self.steps - victim.joined
             self._stop_decoding(victim)
+            # Its heap entry stays until its old finishing step; drop such entries once they outnumber the live.
+            if len(self.decoding) > 2 * self.num_decoding + 64:
+                self.decoding = [item for item in self.decoding if item[2].entry == item[1]]
+                heapq.heapify(self.decoding)
         else:
             self.prefilling.remove(victim)
             self.prefill_blocks -= victim.blocks
