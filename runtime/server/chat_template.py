@@ -20,32 +20,37 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplate:
     def __init__(self, tokenizer_config: dict) -> None:
-        source = _default_template(tokenizer_config.get("chat_template"))
         # The same environment options transformers uses, so templates render as they do there.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = None
         self._unusable = "this model has no chat template (tokenizer_config.json has no chat_template)"
-        if source is not None:
-            try:
-                self._template = env.from_string(source)
-            except jinja2.TemplateSyntaxError as err:
-                self._unusable = f"the model's chat template does not compile: {err}"
+        self._template = self._tool_template = None
+        sources = _templates(tokenizer_config.get("chat_template"))
+        try:
+            if sources.get("default") is not None:
+                self._template = env.from_string(sources["default"])
+            if sources.get("tool_use") is not None:
+                self._tool_template = env.from_string(sources["tool_use"])
+        except jinja2.TemplateSyntaxError as err:
+            self._template = self._tool_template = None
+            self._unusable = f"the model's chat template does not compile: {err}"
         self._special_tokens = {
             name: _token_text(tokenizer_config.get(name))
             for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
-        if self._template is None:
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+        # As transformers picks: a checkpoint's "tool_use" template when the request has tools.
+        template = self._tool_template if tools is not None and self._tool_template is not None else self._template
+        if template is None:
             raise ChatTemplateError(self._unusable)
         try:
-            prompt = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **self._special_tokens)
+            prompt = template.render(messages=messages, tools=tools, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self._special_tokens)
         except ChatTemplateError:
             raise
         except Exception as err:
@@ -63,12 +68,11 @@ class ChatTemplate:
         return prompt
 
 
-def _default_template(template) -> str | None:
-    # tokenizer_config.json holds one template, or a list of named ones of which "default" is used.
+def _templates(template) -> dict[str, str]:
+    # tokenizer_config.json holds one template, or a list of named ones ("default", "tool_use", ...).
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template}
-        return named.get("default")
-    return template
+        return {entry.get("name"): entry.get("template") for entry in template}
+    return {"default": template}
 
 
 def _token_text(token) -> str:
@@ -78,9 +82,10 @@ def _token_text(token) -> str:
     return token or ""
 
 
-def _tojson(value, indent=None) -> str:
-    # jinja2's own tojson escapes HTML characters, which would change the prompt.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja2's own tojson escapes HTML characters, which would change the prompt; these are the
+    # options transformers' filter takes.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str):

@@ -7,7 +7,10 @@ import json
 import pytest
 
 from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
+from kvpilot.runtime.server.protocol import ChatCompletionRequest
 from kvpilot.runtime.tiny_model import BOS, IM_END, IM_START
+
+from tool_conversations import CONVERSATION, HERMES_STYLE_TEMPLATE, HF_CONVERSATION, TOOLS
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>!"}]
 
@@ -57,3 +60,58 @@ def test_a_named_default_template_is_used():
 def test_template_failures_are_request_errors(config, complaint):
     with pytest.raises(ChatTemplateError, match=complaint):
         ChatTemplate(config).render(MESSAGES)
+
+
+# -- tools and tool calls in the history ------------------------------------------------------------
+
+def _rendered_by_us(template: ChatTemplate, tools=TOOLS, **kwargs) -> str:
+    # Through the request models, as the server renders a request.
+    request = ChatCompletionRequest.model_validate({"messages": CONVERSATION, "tools": tools, "tool_choice": "none"})
+    return template.render([m.as_template_input() for m in request.messages],
+                           tools=[t.as_template_input() for t in request.tools], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_tools_and_tool_results_render_as_transformers_renders_them(hf_tokenizer, add_generation_prompt):
+    ours = _rendered_by_us(_template(HERMES_STYLE_TEMPLATE), add_generation_prompt=add_generation_prompt)
+    theirs = hf_tokenizer.apply_chat_template(HF_CONVERSATION, tools=TOOLS, chat_template=HERMES_STYLE_TEMPLATE,
+                                              tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+    # What the template was given, visibly: the tools, the calls with their arguments as objects, the results.
+    assert json.dumps(TOOLS[0]) in ours
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in ours
+    assert '<tool_response id="call_2">\n14:05\n</tool_response>' in ours
+
+
+def test_a_tool_use_template_is_picked_when_there_are_tools(hf_tokenizer):
+    named = [{"name": "default", "template": "{{ messages | length }} turns"},
+             {"name": "tool_use", "template": HERMES_STYLE_TEMPLATE}]
+    ours = ChatTemplate({"chat_template": named})
+    hf_tokenizer.chat_template = {entry["name"]: entry["template"] for entry in named}
+    assert _rendered_by_us(ours) == hf_tokenizer.apply_chat_template(HF_CONVERSATION, tools=TOOLS, tokenize=False,
+                                                                    add_generation_prompt=True)
+    assert ours.render(MESSAGES) == "2 turns"
+
+
+def test_smollm2s_template_renders_a_tool_conversation_as_transformers_does(smollm2_gguf, hf_tokenizer):
+    from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
+
+    _, config = load_tokenizer(str(smollm2_gguf))
+    # SmolLM2's template knows no tools: it writes each turn's content, tool results included.
+    ours = _rendered_by_us(ChatTemplate(config))
+    theirs = hf_tokenizer.apply_chat_template(HF_CONVERSATION, tools=TOOLS, chat_template=config["chat_template"],
+                                              tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    assert "<|im_start|>tool\n18 C, sunny<|im_end|>" in ours
+
+
+def test_tojson_takes_transformers_options():
+    template = _template("{{ messages[0] | tojson(indent=1, sort_keys=True, separators=(',', ':')) }}")
+    assert template.render([{"role": "user", "content": "é"}]) == '{\n "content":"é",\n "role":"user"\n}'
