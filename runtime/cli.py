@@ -16,6 +16,7 @@ from kvpilot.runtime.argtypes import non_negative_float, positive_float, positiv
 from kvpilot.runtime.benchmarks.cli import add_bench
 from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting, SchedulingPolicy
 from kvpilot.runtime.server.limits import ServerLimits
+from kvpilot.runtime.server.tool_parsers import TOOL_PARSERS
 
 # A handler gets the parsed args and its own subparser, so usage errors it finds late
 # (after parsing) still exit 2 with that subcommand's usage line.
@@ -192,6 +193,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     http.add_argument("--shutdown-timeout", metavar="SECONDS", type=non_negative_float, default=30.0,
                       help="on SIGTERM, how long requests in flight may run before they are aborted")
     _add_limit_flags(http)
+    tools = sub.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools): the model decides, and '
+                            "--tool-call-parser finds its calls in the text")
+    tools.add_argument("--tool-call-parser", metavar="NAME", choices=sorted(TOOL_PARSERS),
+                       help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))}")
 
     add_engine_flags(sub.add_argument_group("engine"))
     sub.set_defaults(handler=_serve, subparser=sub)
@@ -272,6 +279,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.trust_tenant_header and args.tenants_file is None:
         parser.error("argument --trust-tenant-header: needs --tenants-file (the header names a tenant from it)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("argument --enable-auto-tool-choice: needs --tool-call-parser, which reads the calls "
+                     "out of the model's text")
     if args.trust_tenant_header and api_key is None:
         parser.error("argument --trust-tenant-header: needs --api-key, the key the trusted gateway sends "
                      "(without it anyone could name any tenant)")
@@ -282,6 +292,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvpilot.runtime.models.default_model import DEFAULT_MODEL_NAME, DefaultModelError, ensure_default_model
     from kvpilot.runtime.server.launcher import run_server
     from kvpilot.runtime.server.tenants import TenantRegistry, TenantsFileError
+    from kvpilot.runtime.server.tool_use import ToolSettings
 
     # Everything a user can get wrong is checked before the (slow) engine starts.
     tenants = admin_token = None
@@ -322,6 +333,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         trust_tenant_header=args.trust_tenant_header,
         sampling_defaults=sampling_defaults,
         limits=ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)}),
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
     try:
         return run_server(engine_config, config, host=args.host, port=args.port,

@@ -37,6 +37,7 @@ from kvpilot.runtime.server.serving import Serving, engine_dead_error
 from kvpilot.runtime.server.state import ServerState
 from kvpilot.runtime.server.tenants import TenantRegistry
 from kvpilot.runtime.server.tokenizer_pool import TokenizerPool
+from kvpilot.runtime.server.tool_use import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ServerConfig:
     # Request defaults from the model's generation_config.json (--generation-config).
     sampling_defaults: dict = field(default_factory=dict)
     limits: ServerLimits = ServerLimits()
+    tools: ToolSettings = ToolSettings()
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> FastAPI:
@@ -91,13 +93,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
                        tenants=config.tenants)
     # Outermost: an oversized body is refused before anything else looks at the request.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_body_bytes)
-    app.include_router(_openai_routes(serving, template))
+    app.include_router(_openai_routes(serving, template, config.tools))
     app.include_router(_utility_routes(serving, template, state, metrics))
     app.include_router(_admin_routes(engine, config.admin_token, metrics))
     return app
 
 
-def _openai_routes(serving: Serving, template: ChatTemplate) -> APIRouter:
+def _openai_routes(serving: Serving, template: ChatTemplate, tools: ToolSettings) -> APIRouter:
     """The OpenAI API: completions, chat completions, models."""
     router = APIRouter()
     engine = serving.engine
@@ -109,7 +111,7 @@ def _openai_routes(serving: Serving, template: ChatTemplate) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(body, request, serving, template)
+        return await create_chat_completion(body, request, serving, template, tools)
 
     @router.get("/v1/models")
     async def models() -> dict:
@@ -137,7 +139,8 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
         if body.prompt is not None:
             tokens = await tokenizers.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            tokens = await serving.chat_prompt_token_ids(template, body.messages,
+            tools = None if body.tools is None else [tool.as_template_input() for tool in body.tools]
+            tokens = await serving.chat_prompt_token_ids(template, body.messages, tools=tools,
                                                          add_generation_prompt=body.add_generation_prompt)
         # Encoded on the pool too: a long token list is slow to turn into JSON.
         answer = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}

@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.server.chat_template import ChatTemplate
+from kvpilot.runtime.server.errors import bad_request
 from kvpilot.runtime.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,34 +24,56 @@ from kvpilot.runtime.server.protocol import (
     Usage,
 )
 from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_request_id, sampled_logprobs
+from kvpilot.runtime.server.tool_use import StreamedCalls, ToolSettings, ToolUse, assistant_message, tool_use
+from kvpilot.runtime.server.tool_use import finish_reason as tool_finish_reason
+from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http_request: Request, serving: Serving,
-                                 template: ChatTemplate) -> Response:
+                                 template: ChatTemplate, tool_settings: ToolSettings) -> Response:
     serving.check_model(body.model)
+    tools = tool_use(body, tool_settings)
     prompt_token_ids = await serving.chat_prompt_token_ids(
         template, body.messages, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
+        continue_final_message=body.continue_final_message, tools=tools.tools,
     )
+    structured_outputs = await _constraint(body, tools, serving)
     request_id = new_request_id("chatcmpl")
     request = serving.engine_request(
         body, prompt_token_ids, prompt_param="messages", max_tokens=body.max_new_tokens,
         logprobs=body.num_logprobs, tenant=http_request.state.tenant, request_id=request_id,
-        structured_outputs=await serving.structured_outputs(body),
+        structured_outputs=structured_outputs,
     )
-    response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs)
+    response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs, tools)
     return await serving.respond(http_request, request, response_format, stream=body.stream,
                                  include_usage=body.include_usage)
 
 
+async def _constraint(body: ChatCompletionRequest, tools: ToolUse, serving: Serving
+                      ) -> StructuredOutputsParams | None:
+    """The request's own structured-output constraint, or the one a forced tool choice makes; not both."""
+    requested = await serving.structured_outputs(body)
+    if tools.structured_outputs is None:
+        return requested
+    if requested is not None:
+        raise bad_request("You can only either use structured outputs or a tool_choice that forces calls "
+                          "(required, or a named function), not both.", "tool_choice")
+    await serving.check_structured_outputs(tools.structured_outputs, "tools")
+    return tools.structured_outputs
+
+
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None) -> None:
+    def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None,
+                 tools: ToolUse = ToolUse()) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.n = n
         # None: no logprobs; otherwise how many alternatives to list per token.
         self.top_logprobs = top_logprobs
+        self.tools = tools
+        # Per streamed choice, where tool calls are read from its text.
+        self._calls: dict[int, StreamedCalls] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -74,11 +96,20 @@ class ChatFormat:
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(self.n)]
 
-    def chunk(self, output: StreamOutput) -> ChatCompletionChunk:
+    def chunk(self, output: StreamOutput) -> ChatCompletionChunk | None:
+        if self.tools.parser is None:
+            delta, finish_reason = ChatDelta(content=output.text or None), output.finish_reason
+        else:
+            calls = self._calls.setdefault(output.index, StreamedCalls(self.tools))
+            content, tool_calls = calls.delta(output.text, output.finished)
+            if content is None and tool_calls is None and not output.finished and self.top_logprobs is None:
+                # Text the parser holds back: an empty delta would tell the client nothing (vLLM sends none).
+                return None
+            delta = ChatDelta(content=content, tool_calls=tool_calls)
+            finish_reason = tool_finish_reason(output.finish_reason, calls.called, self.tools)
         return self._chunk([ChatChunkChoice(
-            index=output.index, delta=ChatDelta(content=output.text or None),
-            logprobs=self._logprobs(output.token_ids, output.logprobs),
-            finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+            index=output.index, delta=delta, logprobs=self._logprobs(output.token_ids, output.logprobs),
+            finish_reason=finish_reason, stop_reason=output.stop_reason,
         )])
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
@@ -87,11 +118,15 @@ class ChatFormat:
     def response(self, choices: list[Choice], usage: Usage) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                logprobs=self._logprobs(c.token_ids, c.logprobs),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                     for c in choices],
+            choices=[self._choice(c) for c in choices],
         )
+
+    def _choice(self, choice: Choice) -> ChatChoice:
+        message, called = assistant_message(choice.text, self.tools)
+        return ChatChoice(index=choice.index, message=message,
+                          logprobs=self._logprobs(choice.token_ids, choice.logprobs),
+                          finish_reason=tool_finish_reason(choice.finish_reason, called, self.tools),
+                          stop_reason=choice.stop_reason)
 
 
 def _top_logprob(entry: Logprob) -> TopLogprob:

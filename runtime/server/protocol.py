@@ -9,6 +9,7 @@ no float is infinite. Range checks that need a second field, the model or the se
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -252,10 +253,51 @@ class TextPart(RequestBody):
     text: str
 
 
+class FunctionCallParam(RequestBody):
+    name: str
+    # JSON text, as OpenAI's API returns it.
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, arguments: str) -> str:
+        try:
+            _arguments_object(arguments)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"a tool call's arguments must be JSON text: {err}") from None
+        return arguments
+
+    @property
+    def arguments_object(self):
+        return _arguments_object(self.arguments)
+
+
+def _arguments_object(arguments: str):
+    # An empty string is a call without arguments, as vLLM reads it.
+    return json.loads(arguments) if arguments else {}
+
+
+class ToolCallParam(RequestBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(RequestBody):
     role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and the call a tool turn answers.
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -264,7 +306,42 @@ class ChatMessage(RequestBody):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            # Templates index into the arguments (Qwen2.5's writes them with tojson), so they get
+            # the object, as vLLM hands them over, not its JSON text.
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": call.function.arguments_object}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(RequestBody):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    # A JSON schema for the arguments.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_input(self) -> dict:
+        return {"type": self.type, "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(RequestBody):
+    name: str
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -278,6 +355,33 @@ class ChatCompletionRequest(GenerationRequest):
     # vLLM's chat-template controls.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    # With tools and no choice, "auto" (OpenAI's default, and vLLM's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # OpenAI's; false keeps a reply's first call only (and `required` asks for one).
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_tools(self):
+        # vLLM's checks and messages.
+        if self.tools == []:
+            raise ValueError("`tools` must not be an empty array. Either provide at least one tool or omit "
+                             "the field entirely.")
+        if self.tool_choice is None and self.tools:
+            self.tool_choice = "auto"
+        if self.tool_choice not in (None, "none") and self.tools is None:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool is None:
+            raise ValueError("The tool specified in `tool_choice` does not match any of the specified `tools`")
+        return self
+
+    @property
+    def named_tool(self) -> FunctionDefinition | None:
+        """The function a named tool_choice forces, if any."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((tool.function for tool in self.tools if tool.function.name == self.tool_choice.function.name),
+                    None)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -303,6 +407,8 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # With messages: the tools the chat template is shown, as for /v1/chat/completions.
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -310,6 +416,8 @@ class TokenizeRequest(RequestBody):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered by the chat template, so they need messages")
         return self
 
 
@@ -388,9 +496,37 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class OmitAbsent(BaseModel):
+    """Leaves out the fields that are None: OpenAI omits what a message or delta does not carry."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    # None when the reply is tool calls only.
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler) -> dict:
+        message = handler(self)
+        if message["tool_calls"] is None:
+            del message["tool_calls"]
+        return message
 
 
 class ChatChoice(BaseModel):
@@ -410,14 +546,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class FunctionCallDelta(OmitAbsent):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(OmitAbsent):
+    """A call's first delta has its id, type and name; the later ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(OmitAbsent):
+    # A delta carries only what changed: `{}` on the closing chunk, not nulls.
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent(self, handler) -> dict:
-        # A delta carries only what changed: `{}` on the closing chunk, not nulls.
-        return {key: value for key, value in handler(self).items() if value is not None}
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -100,7 +100,8 @@ class ResponseFormat(Protocol):
 
     def opening_chunks(self) -> list[BaseModel]: ...
 
-    def chunk(self, output: StreamOutput) -> BaseModel: ...
+    # None: nothing to send for this output (a tool-call parser holds its text back).
+    def chunk(self, output: StreamOutput) -> BaseModel | None: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
@@ -170,10 +171,11 @@ class Serving:
             raise bad_request(str(err), param) from err
 
     async def chat_prompt_token_ids(self, template: ChatTemplate, messages: list[ChatMessage], *,
-                                    add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+                                    add_generation_prompt: bool, continue_final_message: bool = False,
+                                    tools: list[dict] | None = None) -> list[int]:
         try:
             prompt = await self.tokenizers.run(template.render, [m.as_template_input() for m in messages],
-                                               add_generation_prompt, continue_final_message)
+                                               add_generation_prompt, continue_final_message, tools)
         except ChatTemplateError as err:
             raise bad_request(str(err), "messages") from err
         # The template writes the special tokens (BOS included) itself.
@@ -187,11 +189,15 @@ class Serving:
         except ValueError as err:
             raise bad_request(str(err), "structured_outputs") from err
         if params is not None:
-            try:
-                await self.tokenizers.run(check_grammar, params)
-            except UnsupportedGrammar as err:
-                raise bad_request(f"{field}: {err}", field) from err
+            await self.check_structured_outputs(params, field)
         return params
+
+    async def check_structured_outputs(self, params: StructuredOutputsParams, field: str) -> None:
+        """400 naming `field` when the grammar engine cannot enforce `params`."""
+        try:
+            await self.tokenizers.run(check_grammar, params)
+        except UnsupportedGrammar as err:
+            raise bad_request(f"{field}: {err}", field) from err
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -286,7 +292,9 @@ class Serving:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     usage.add(output)
-                    yield _sse(response_format.chunk(output))
+                    chunk = response_format.chunk(output)
+                    if chunk is not None:
+                        yield _sse(chunk)
         except ValueError as err:
             yield sse_error(bad_request(str(err)))
             return

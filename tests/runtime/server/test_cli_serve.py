@@ -32,6 +32,8 @@ def _usage_error(capsys, *argv: str) -> str:
     (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice"),
     (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a non-negative number"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["--enable-auto-tool-choice"], "argument --enable-auto-tool-choice: needs --tool-call-parser"),
+    (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral' (choose from 'hermes', 'llama3_json')"),
 ])
 def test_bad_flags(capsys, argv, complaint):
     assert complaint in _usage_error(capsys, *argv)
