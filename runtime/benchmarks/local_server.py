@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -21,14 +22,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(model_dir: str, *flags: str) -> Iterator[str]:
+def local_server(model_dir: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """`kvpilot serve model_dir *flags` on a free port; yields its base URL once /health answers 200,
-    and stops the server on the way out. SystemExit if it exits or does not become healthy."""
+    and stops the server on the way out. SystemExit if it exits or does not become healthy. `env`
+    adds to (or overrides) this process's environment for the server."""
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "kvpilot.runtime.cli", "serve", model_dir, "--host", "127.0.0.1",
          "--port", str(port), *flags],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})},
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -63,12 +63,25 @@ class FinishedRequestStats:
     # Measured inside the EngineCore process; None if never scheduled.
     queue_time: float | None = None
     tenant: str | None = None
+    # From first scheduled to the first token: the time to first token less the queue time (the
+    # socket hop to the engine, tens of microseconds, counts as prefill). None without a token.
+    prefill_time: float | None = None
+    # From the first token to the last (0 for one token).
+    decode_time: float | None = None
+    # The choice's max_tokens, and the client request's n (on its choice 0 only: one per request).
+    max_tokens: int | None = None
+    n: int | None = None
 
 
 class StatLogger(Protocol):
     def record_engine_stats(self, stats: EngineStats) -> None: ...
 
     def record_finished_request(self, stats: FinishedRequestStats) -> None: ...
+
+    def record_iteration(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """One engine step's outputs: the prompts of the requests that got their first token in it,
+        and the tokens it generated (vLLM's iteration stats)."""
+        ...
 
 
 # Where a choice's StreamOutputs go (or the error that ended the engine): a queue's put_nowait
@@ -81,11 +94,12 @@ class ChoiceState:
 
     def __init__(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
                  num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: Sink,
-                 tenant: str | None) -> None:
+                 tenant: str | None, num_choices: int) -> None:
         self.request_id = request_id
         self.engine_id = engine_id
         self.index = index
         self.params = params
+        self.num_choices = num_choices
         self.num_prompt_tokens = num_prompt_tokens
         self.detokenizer = detokenizer
         self.sink = sink
@@ -113,6 +127,11 @@ class ChoiceState:
 
     def stats(self, finish_reason: str) -> FinishedRequestStats:
         now = time.monotonic()
+        prefill_time = decode_time = None
+        if self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival
+            prefill_time = ttft if self.queue_time is None else max(0.0, ttft - self.queue_time)
+            decode_time = self.last_token_time - self.first_token_time
         return FinishedRequestStats(
             finish_reason=finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
@@ -123,6 +142,10 @@ class ChoiceState:
             inter_token_latencies=self.inter_token_latencies,
             queue_time=self.queue_time,
             tenant=self.tenant,
+            prefill_time=prefill_time,
+            decode_time=decode_time,
+            max_tokens=self.params.max_tokens,
+            n=self.num_choices if self.index == 0 else None,
         )
 
 
@@ -133,11 +156,12 @@ class OutputProcessor:
         self.stat_loggers: list[StatLogger] = []
 
     def add_request(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
-                    num_prompt_tokens: int, sink: Sink, tenant: str | None = None) -> None:
-        """Track choice `index` of client request `request_id`, known to the engine as `engine_id`."""
+                    num_prompt_tokens: int, sink: Sink, tenant: str | None = None, num_choices: int = 1) -> None:
+        """Track choice `index` (of `num_choices`) of client request `request_id`, known to the engine
+        as `engine_id`."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.choices[engine_id] = ChoiceState(request_id, engine_id, index, params, num_prompt_tokens,
-                                              detokenizer, sink, tenant)
+                                              detokenizer, sink, tenant, num_choices)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.choices)
@@ -149,10 +173,20 @@ class OutputProcessor:
         """Deliver one step's outputs; returns the choices a stop string ended, for the engine to abort."""
         now = time.monotonic()
         stopped = []
+        num_prompt_tokens = num_generation_tokens = 0
         for output in outputs:
             choice = self.choices.get(output.request_id)
-            if choice is not None and self._process_output(choice, output, now):
+            if choice is None:
+                continue
+            if output.new_token_ids:
+                num_generation_tokens += len(output.new_token_ids)
+                if choice.first_token_time is None:
+                    num_prompt_tokens += choice.num_prompt_tokens
+            if self._process_output(choice, output, now):
                 stopped.append(choice.engine_id)
+        if outputs:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_iteration(num_prompt_tokens, num_generation_tokens)
         return stopped
 
     def record_engine_stats(self, stats: EngineStats) -> None:

@@ -65,7 +65,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
                       config.sampling_defaults)
     template = ChatTemplate(engine.tokenizer_config)
     metrics = ServerMetrics(config.served_model_name, engine.block_size, engine.num_kv_blocks,
-                            http_requests_in_flight=lambda: state.in_flight)
+                            http_requests_in_flight=lambda: state.in_flight, max_model_len=engine.max_model_len)
     engine.add_stat_logger(metrics)
     serving.on_slow_client = metrics.count_slow_client
     engine.on_engine_dead(state.mark_dead)

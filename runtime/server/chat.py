@@ -46,7 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
     )
     response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs, tools)
     return await serving.respond(http_request, request, response_format, stream=body.stream,
-                                 include_usage=body.include_usage)
+                                 include_usage=body.include_usage, continuous_usage=body.continuous_usage)
 
 
 async def _constraint(body: ChatCompletionRequest, tools: ToolUse, serving: Serving
@@ -95,6 +95,12 @@ class ChatFormat:
         # OpenAI opens every choice with the speaker's role.
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(self.n)]
+
+    def text_only(self, output: StreamOutput) -> bool:
+        # An empty delta renders without its content: not a template's shape. A tool parser reads
+        # every piece of text, so its requests never take the template path.
+        return (self.tools.parser is None and self.top_logprobs is None and bool(output.text)
+                and not output.finished)
 
     def chunk(self, output: StreamOutput) -> ChatCompletionChunk | None:
         if self.tools.parser is None:

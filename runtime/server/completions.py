@@ -39,7 +39,7 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
     )
     response_format = CompletionFormat(request_id, serving.model_name, body.logprobs is not None)
     return await serving.respond(http_request, request, response_format, stream=body.stream,
-                                 include_usage=body.include_usage)
+                                 include_usage=body.include_usage, continuous_usage=body.continuous_usage)
 
 
 class CompletionFormat:
@@ -84,6 +84,9 @@ class CompletionFormat:
 
     def opening_chunks(self) -> list[CompletionResponse]:
         return []
+
+    def text_only(self, output: StreamOutput) -> bool:
+        return not self.with_logprobs and output.prompt_logprobs is None and not output.finished
 
     def chunk(self, output: StreamOutput) -> CompletionResponse:
         return self._response([CompletionChoice(

@@ -18,13 +18,30 @@ if TYPE_CHECKING:
     from kvpilot.runtime.engine.output_processor import FinishedRequestStats
     from kvpilot.runtime.engine.messages import EngineStats
 
-# Seconds; the ranges of vLLM's buckets, from a fast GPU step to a long CPU generation.
+# vLLM V1's bucket boundaries (vllm/v1/metrics/loggers.py), so that dashboards built on its
+# histograms read ours the same way.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Inter-token latency and each request's mean time per output token.
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(largest: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `largest`: vLLM's buckets for token counts (to max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > largest:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,7 +49,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerMetrics:
     def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int,
-                 http_requests_in_flight: Callable[[], int] = lambda: 0) -> None:
+                 http_requests_in_flight: Callable[[], int] = lambda: 0, *, max_model_len: int = 8192) -> None:
+        """`max_model_len` is where the token-count buckets stop, as in vLLM (the server passes its own)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         registry = self.registry
@@ -82,11 +100,32 @@ class ServerMetrics:
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to the first token.",
                                              _TTFT_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between tokens.",
-                                             _ITL_BUCKETS)
+                                             _TPOT_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Each request's decode time over its output tokens after the first.", _TPOT_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Time from arrival to the last token.", _REQUEST_BUCKETS)
         self.request_queue_time = histogram("vllm:request_queue_time_seconds",
                                             "Time in the engine's queue before first scheduled.", _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                              "Time from first scheduled to the first token.", _REQUEST_BUCKETS)
+        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
+                                             "Time from the first token to the last.", _REQUEST_BUCKETS)
+        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
+                                                "Time from first scheduled to the last token.", _REQUEST_BUCKETS)
+
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request.", token_buckets)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "The max_tokens request parameter.", token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n", "The n request parameter.", _N_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Tokens per engine step: prompts that got their first token, plus "
+                                          "the tokens generated.", _ITERATION_TOKEN_BUCKETS)
 
     def record_engine_stats(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -115,6 +154,23 @@ class ServerMetrics:
         for latency in stats.inter_token_latencies:
             self.inter_token_latency.observe(latency)
         self.e2e_request_latency.observe(stats.e2e_latency)
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_generation_tokens)
+        if stats.max_tokens is not None:
+            self.request_params_max_tokens.observe(stats.max_tokens)
+        if stats.n is not None:
+            self.request_params_n.observe(stats.n)
+        # The phases of a request that produced a token (vLLM's definitions; its time per output
+        # token is 0 for a single token).
+        if stats.prefill_time is not None:
+            self.request_prefill_time.observe(stats.prefill_time)
+            self.request_decode_time.observe(stats.decode_time)
+            self.request_inference_time.observe(stats.prefill_time + stats.decode_time)
+            later_tokens = stats.num_generation_tokens - 1
+            self.request_time_per_output_token.observe(stats.decode_time / later_tokens if later_tokens else 0.0)
+
+    def record_iteration(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
 
     def count_slow_client(self) -> None:
         self.slow_client_aborts.inc()

@@ -58,6 +58,9 @@ def _check_unicode(value) -> None:
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (its choice's tokens); the last usage-only
+    # chunk still comes with include_usage alone.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(RequestBody):
@@ -210,6 +213,10 @@ class GenerationRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(GenerationRequest):

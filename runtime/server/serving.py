@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
@@ -40,7 +42,7 @@ from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
 # JSON has no -inf; vLLM reports an impossible token's logprob as this.
 MIN_LOGPROB = -9999.0
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 T = TypeVar("T")
 
@@ -103,9 +105,41 @@ class ResponseFormat(Protocol):
     # None: nothing to send for this output (a tool-call parser holds its text back).
     def chunk(self, output: StreamOutput) -> BaseModel | None: ...
 
+    def text_only(self, output: StreamOutput) -> bool:
+        """Whether chunk(output) is a function of output.index and output.text alone (a delta of
+        text, without logprobs, not the last): such chunks are streamed from a TextChunks template."""
+        ...
+
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
     def response(self, choices: list[Choice], usage: Usage) -> BaseModel: ...
+
+
+class TextChunks:
+    """The SSE events of a stream's text-only chunks, from one rendering per choice.
+
+    The first text-only chunk of each choice is built and dumped by pydantic, as every other chunk
+    is, with a marker for its text; the bytes around the marker are kept, and every later text-only
+    chunk of that choice is those bytes around its JSON-encoded text. pydantic stays the one
+    definition of a chunk's shape, and a token costs a string encoding instead of building and
+    dumping models. msgspec escapes strings as pydantic does, code point for code point (a test
+    checks all of them).
+    """
+
+    # JSON escapes its NULs, so the marker cannot occur in a rendered chunk but as the text itself.
+    MARKER = "\x00text\x00"
+
+    def __init__(self, render: Callable[[StreamOutput], BaseModel]) -> None:
+        self._render = render
+        self._parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def event(self, output: StreamOutput) -> bytes:
+        parts = self._parts.get(output.index)
+        if parts is None:
+            event = sse_event(self._render(dataclasses.replace(output, text=self.MARKER)))
+            head, _, tail = event.partition(_json(self.MARKER))
+            parts = self._parts[output.index] = (head, tail)
+        return parts[0] + _json(output.text) + parts[1]
 
 
 def sampled_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
@@ -248,11 +282,12 @@ class Serving:
         )
 
     async def respond(self, http_request: Request, request: EngineRequest, response_format: ResponseFormat,
-                      *, stream: bool, include_usage: bool) -> Response:
+                      *, stream: bool, include_usage: bool, continuous_usage: bool = False) -> Response:
+        """`continuous_usage`: the usage so far on every chunk (vLLM's stream_options.continuous_usage_stats)."""
         # Each of the n choices is a sequence of the tenant's limit, held until the response ends.
         http_request.state.sequences.acquire(request.params.n)
         if stream:
-            events = self._events(request, response_format, include_usage)
+            events = self._events(request, response_format, include_usage, continuous_usage)
             return StallingStreamingResponse(events, self.limits.stream_stall_timeout_s, self.on_slow_client,
                                              media_type="text/event-stream")
         try:
@@ -282,19 +317,32 @@ class Serving:
         return choices, usage.usage()
 
     async def _events(self, request: EngineRequest, response_format: ResponseFormat,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
         usage = UsageCounter()
+        usage.prompt_tokens = len(request.prompt_token_ids)
+        text_chunks = TextChunks(response_format.chunk)
         try:
             for chunk in response_format.opening_chunks():
-                yield _sse(chunk)
+                if continuous_usage:
+                    chunk.usage = usage.usage()
+                yield sse_event(chunk)
             # Only a stream's consumer can stall (on its client); a collection always reads.
             outputs = self._generate(request, self.limits.max_buffered_outputs)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     usage.add(output)
+                    if not continuous_usage and response_format.text_only(output):
+                        yield text_chunks.event(output)
+                        continue
                     chunk = response_format.chunk(output)
-                    if chunk is not None:
-                        yield _sse(chunk)
+                    if chunk is None:
+                        continue
+                    if continuous_usage:
+                        # Per choice, as vLLM counts it: this choice's tokens so far.
+                        chunk.usage = Usage(prompt_tokens=usage.prompt_tokens,
+                                            completion_tokens=output.num_output_tokens,
+                                            total_tokens=usage.prompt_tokens + output.num_output_tokens)
+                    yield sse_event(chunk)
         except ValueError as err:
             yield sse_error(bad_request(str(err)))
             return
@@ -307,12 +355,15 @@ class Serving:
             yield sse_error(APIError(429, str(err), code="client_too_slow"))
             return
         if include_usage:
-            yield _sse(response_format.usage_chunk(usage.usage()))
+            yield sse_event(response_format.usage_chunk(usage.usage()))
         yield SSE_DONE
 
 
-def _sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+def sse_event(chunk: BaseModel) -> bytes:
+    return b"data: " + chunk.__pydantic_serializer__.to_json(chunk) + b"\n\n"
+
+
+_json = msgspec.json.encode
 
 
 async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T | None:

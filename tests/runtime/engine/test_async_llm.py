@@ -23,12 +23,16 @@ class RecordingStatLogger:
     def __init__(self) -> None:
         self.engine_stats = []
         self.finished: list[FinishedRequestStats] = []
+        self.iterations: list[tuple[int, int]] = []
 
     def record_engine_stats(self, stats) -> None:
         self.engine_stats.append(stats)
 
     def record_finished_request(self, stats) -> None:
         self.finished.append(stats)
+
+    def record_iteration(self, num_prompt_tokens, num_generation_tokens) -> None:
+        self.iterations.append((num_prompt_tokens, num_generation_tokens))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,13 @@ def test_streams_match_the_offline_engine(engine, loop, tiny_llama_dir, stat_log
         assert stats.queue_time is not None and stats.time_to_first_token is not None
         assert len(stats.inter_token_latencies) == 23
         assert stats.e2e_latency >= stats.time_to_first_token
+        assert stats.prefill_time == pytest.approx(stats.time_to_first_token - stats.queue_time)
+        assert stats.decode_time == pytest.approx(sum(stats.inter_token_latencies))
+        assert (stats.max_tokens, stats.n) == (24, 1)
     assert stat_logger.engine_stats[-1].num_running == 0
+    # Each prompt counts once, in the step of its first token; every generated token once.
+    assert sum(p for p, _ in stat_logger.iterations) == sum(len(engine.encode(p)) for p in PROMPTS)
+    assert sum(g for _, g in stat_logger.iterations) == 24 * len(PROMPTS)
 
 
 def test_n_fans_out_into_seeded_children(engine, loop):
