@@ -209,6 +209,10 @@ class SchedulerConfig:
         choices=tuple(SchedulingPolicy), arg="scheduling_policy")
     async_scheduling: bool = setting(
         False, "schedule the next step while the current one runs (outputs are the same as without)")
+    # Read by the API server's output processor, as vLLM's is.
+    stream_interval: int = setting(
+        1, "tokens a stream gathers into one chunk (its first token and its end are sent at once)",
+        minimum=1, metavar="N")
 
 
 @dataclass

@@ -60,7 +60,7 @@ class AsyncLLM:
         self.eos_token_id = eos[0] if eos else None
         self.vocab_size = self.config.model.vocab_size
 
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         # What the engine last reported, pushed after each step or answered to get_stats.
         self.latest_stats: EngineStats | None = None
         self._generate_calls = itertools.count()

@@ -113,6 +113,10 @@ class ChoiceState:
         self.last_token_time: float | None = None
         self.inter_token_latencies: list[float] = []
         self.queue_time: float | None = None
+        # Tokens (and their logprobs) held back for --stream-interval, not yet in a StreamOutput.
+        self.unsent_token_ids: list[int] = []
+        self.unsent_logprobs: list[TokenLogprobs] = []
+        self.sent_any = False
 
     def note_tokens(self, count: int, now: float) -> None:
         if count == 0:
@@ -150,8 +154,11 @@ class ChoiceState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int = 1) -> None:
+        """With `stream_interval` N > 1, a choice's StreamOutputs gather N tokens each (vLLM's
+        --stream-interval), except its first token and its last output, which go out at once."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.choices: dict[str, ChoiceState] = {}
         self.stat_loggers: list[StatLogger] = []
 
@@ -226,8 +233,17 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop_string
         if not output.new_token_ids and finish_reason is None:
             return False  # a prefill chunk: nothing to show yet
-        choice.sink(self._stream_output(choice, output.new_token_ids, output.new_logprobs,
-                                        finish_reason, stop_reason))
+        token_ids, logprobs = output.new_token_ids, output.new_logprobs
+        if self.stream_interval > 1:
+            choice.unsent_token_ids += token_ids
+            choice.unsent_logprobs += logprobs or []
+            if (finish_reason is None and choice.sent_any
+                    and len(choice.unsent_token_ids) < self.stream_interval):
+                return stopped_here
+            token_ids, logprobs = choice.unsent_token_ids, choice.unsent_logprobs
+            choice.unsent_token_ids, choice.unsent_logprobs = [], []
+            choice.sent_any = True
+        choice.sink(self._stream_output(choice, token_ids, logprobs, finish_reason, stop_reason))
         if finish_reason is not None:
             del self.choices[choice.engine_id]
             self._record_finished(choice, finish_reason)
