@@ -12,6 +12,9 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 TINY_ARGS = {
     "offline_throughput.py": ["--num-prompts", "2", "--new-tokens", "2", "--prefix-len", "24"],
     "serving_throughput.py": ["--num-requests", "2", "--max-tokens", "2"],
+    "serving_vs_offline.py": ["--num-streams", "2", "--max-tokens", "2", "--prompt-len", "4", "--repetitions", "1"],
+    "chunked_prefill_latency.py": ["--num-decoding", "2", "--decode-prompt-len", "4", "--long-prompt-len", "40",
+                                   "--window", "2", "--repetitions", "1", "--settings", "64:0,32:0"],
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
     "kernels.py": ["--tiny"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
