@@ -7,6 +7,11 @@ in this process (no HTTP: what is measured is the steps themselves). The inter-t
 p99 / max; the long prompt's time to first token and the decode tokens/s over the window show what
 smaller chunks cost. Settings run interleaved, `--repetitions` times, on fresh prompts each time.
 
+On a shared machine, wall-clock latencies measure the neighbours as much as the engine. The default
+clock is therefore this thread's CPU time with one torch thread: every step runs on this thread, so
+its CPU time is what the step would take on an idle core, whatever else the machine runs
+(`--clock wall` measures wall-clock time instead).
+
     .venv/bin/python bench/chunked_prefill_latency.py [--model DIR]
 """
 
@@ -50,7 +55,8 @@ def _run(core: EngineCore, rng: random.Random, vocab: int, args) -> dict:
             produced[output.request_id] += len(output.new_token_ids)
 
     long_params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    arrival = last = time.perf_counter()
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    arrival = last = clock()
     core.add_request(Request("long", prompt(args.long_prompt_len), long_params,
                              max_model_len=core.config.scheduler.max_model_len))
     last_token = dict.fromkeys(decoders, arrival)
@@ -59,7 +65,7 @@ def _run(core: EngineCore, rng: random.Random, vocab: int, args) -> dict:
     long_ttft = None
     while min(after.values()) < args.window or long_ttft is None:
         outputs = core.step()
-        last = time.perf_counter()
+        last = clock()
         for output in outputs:
             if not output.new_token_ids:
                 continue
@@ -83,10 +89,15 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=4, help="tokens each decoder makes before the arrival")
     parser.add_argument("--window", type=int, default=32, help="tokens per decoder measured after the arrival")
     parser.add_argument("--repetitions", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument("--threads", type=int, help="torch threads (default: 1 with --clock cpu, else torch's default)")
     parser.add_argument("--settings", default=",".join(f"{b}:{t}" for b, t in DEFAULT_SETTINGS),
                         help="comma-separated max_num_batched_tokens:long_prefill_token_threshold pairs")
     args = parser.parse_args()
+    if args.threads is None:
+        args.threads = 1 if args.clock == "cpu" else torch.get_num_threads()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1: other threads' work would not be counted")
     torch.set_num_threads(args.threads)
     settings = [tuple(int(x) for x in pair.split(":")) for pair in args.settings.split(",")]
     model_dir = args.model or str(make_tiny_model(
@@ -123,7 +134,8 @@ def main() -> None:
     summaries = {setting: summary(setting) for setting in settings}
     baseline = summaries[settings[0]]
     defaults = SchedulerConfig()
-    print(f"model: {model_dir}; torch threads: {args.threads}; {args.repetitions} interleaved repetitions; "
+    print(f"model: {model_dir}; torch threads: {args.threads}; clock: {args.clock}; "
+          f"{args.repetitions} interleaved repetitions; "
           f"kvpilot's defaults: max_num_batched_tokens {defaults.max_num_batched_tokens}, "
           f"long_prefill_token_threshold {defaults.long_prefill_token_threshold}")
     print()

@@ -317,7 +317,7 @@ class Serving:
         return choices, usage.usage()
 
     async def _events(self, request: EngineRequest, response_format: ResponseFormat,
-                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes | str]:
         usage = UsageCounter()
         usage.prompt_tokens = len(request.prompt_token_ids)
         text_chunks = TextChunks(response_format.chunk)
