@@ -4,7 +4,10 @@ The offline `LLM.generate` runs the requests in this process; `kvpilot serve` (a
 the same engine settings) gets them as concurrent streaming completions over HTTP. Each repetition
 times one of each, interleaved, on fresh prompts (the same for both within a repetition, so that
 neither side is flattered by its prefix cache). The ratio HTTP / offline of generated tokens/s says
-what the API-server process, the sockets and the SSE stream cost on top of the engine.
+what the API-server process, the sockets and the SSE stream cost on top of the engine. Beside it,
+the CPU time per generated token of each side (this process offline; the API server plus the
+EngineCore process over HTTP), and their ratio: what HTTP / offline is where CPU is the limit, a
+figure that a machine shared with other work disturbs less than wall-clock throughput.
 
 The client is a bare asyncio HTTP/1.1 reader that only looks for the usage chunk and `[DONE]`, so
 that on a small machine it takes as little CPU from the server as a client can.
@@ -63,10 +66,9 @@ async def _serve_all(base_url: str, prompts: list[list[int]], max_tokens: int) -
     return sum(counts), time.perf_counter() - start
 
 
-def _api_process_cpu_seconds() -> float:
-    """CPU time (user + system, every thread) of the `kvpilot serve` process this script started:
-    the API server alone, since its EngineCore is a process of its own."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def _child_cpu_seconds(parent: int, marker: bytes) -> tuple[int, float]:
+    """The pid and CPU time (user + system, every thread) of `parent`'s child whose command line
+    holds `marker`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -78,16 +80,26 @@ def _api_process_cpu_seconds() -> float:
         except OSError:
             continue
         # After the name: state, ppid, ... utime and stime are the 12th and 13th.
-        if int(fields[1]) == os.getpid() and b"kvpilot.runtime.cli" in cmdline:
-            return (int(fields[11]) + int(fields[12])) / ticks
-    raise RuntimeError("the server process is not a child of this one")
+        if int(fields[1]) == parent and marker in cmdline:
+            return int(entry), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise RuntimeError(f"process {parent} has no child running {marker!r}")
 
 
-def _offline(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+def _server_cpu_seconds() -> tuple[float, float]:
+    """CPU seconds so far of the `kvpilot serve` process this script started (the API server) and
+    of its EngineCore process."""
+    api_pid, api = _child_cpu_seconds(os.getpid(), b"kvpilot.runtime.cli")
+    _, engine = _child_cpu_seconds(api_pid, b"spawn_main")
+    return api, engine
+
+
+def _offline(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, float]:
+    """Tokens generated, wall-clock seconds, CPU seconds of this process."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
-    return sum(len(o.outputs[0].token_ids) for o in outputs), time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return tokens, time.perf_counter() - start, time.process_time() - cpu
 
 
 def main() -> None:
@@ -113,20 +125,26 @@ def main() -> None:
     def new_prompts() -> list[list[int]]:
         return [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_streams)]
 
-    offline_rates, http_rates, api_cpu_per_token = [], [], []
+    offline_rates, http_rates = [], []
+    # CPU seconds per generated token: offline; the HTTP side's API server and EngineCore processes.
+    offline_cpu, api_cpu, engine_cpu = [], [], []
     flags = ["--served-model-name", "bench", *args.serve_flag]
     # The server's engine process sets no thread count of its own: torch's default, as printed.
     with local_server(model_dir, *flags, env={"OMP_NUM_THREADS": str(args.threads)}) as base_url:
         warm = new_prompts()[:2]
+        _server_cpu_seconds()  # fails now, not after the first timed run, if the processes are not found
         _offline(llm, warm, 4)
         asyncio.run(_serve_all(base_url, warm, 4))
         for _ in range(args.repetitions):
             prompts = new_prompts()
-            tokens, seconds = _offline(llm, prompts, args.max_tokens)
+            tokens, seconds, cpu = _offline(llm, prompts, args.max_tokens)
             offline_rates.append(tokens / seconds)
-            cpu_before = _api_process_cpu_seconds()
+            offline_cpu.append(cpu / tokens)
+            api_before, engine_before = _server_cpu_seconds()
             http_tokens, seconds = asyncio.run(_serve_all(base_url, prompts, args.max_tokens))
-            api_cpu_per_token.append((_api_process_cpu_seconds() - cpu_before) / http_tokens)
+            api_after, engine_after = _server_cpu_seconds()
+            api_cpu.append((api_after - api_before) / http_tokens)
+            engine_cpu.append((engine_after - engine_before) / http_tokens)
             if http_tokens != tokens:
                 raise SystemExit(f"HTTP generated {http_tokens} tokens, offline {tokens}")
             http_rates.append(http_tokens / seconds)
@@ -135,14 +153,19 @@ def main() -> None:
         return f"{statistics.median(values):.0f} tok/s (min {min(values):.0f})"
 
     ratio = statistics.median(http_rates) / statistics.median(offline_rates)
+    median_us = {name: statistics.median(values) * 1e6 for name, values in
+                 (("offline", offline_cpu), ("api", api_cpu), ("engine", engine_cpu))}
+    # What HTTP / offline would be where CPU time is the limit: the same work costs this much more.
+    cpu_ratio = median_us["offline"] / (median_us["api"] + median_us["engine"])
     print(f"model: {model_dir}; torch threads: {args.threads}; {args.repetitions} interleaved repetitions; "
           f"serve flags: {' '.join(args.serve_flag) or 'none'}")
     print()
-    print("| workload | HTTP (median) | offline LLM (median) | HTTP / offline | API-process CPU per token |")
-    print("|---|---|---|---|---|")
+    print("| workload | HTTP (median) | offline LLM (median) | HTTP / offline | CPU per token: offline; HTTP API "
+          "server + EngineCore | HTTP / offline by CPU |")
+    print("|---|---|---|---|---|---|")
     print(f"| {args.num_streams} streams x {args.prompt_len}-token prompts x {args.max_tokens} tokens, greedy | "
-          f"{rates(http_rates)} | {rates(offline_rates)} | {ratio:.2f}x | "
-          f"{statistics.median(api_cpu_per_token) * 1e6:.0f} us |")
+          f"{rates(http_rates)} | {rates(offline_rates)} | {ratio:.2f}x | {median_us['offline']:.0f} us; "
+          f"{median_us['api']:.0f} + {median_us['engine']:.0f} us | {cpu_ratio:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ class SchedulerConfig:
         None, "longest prompt + output (default: the model's max_position_embeddings)", minimum=1, metavar="N")
     # Measured (BENCHMARKS.md, chunked prefill): without a cap, a 2,000-token prompt arriving among
     # 16 decoding requests ran as one step and froze their next token for 1.3 s (p99); 512-token
-    # chunks cut that p99 to 0.16x, and the long prompt's own first token came sooner.
+    # chunks cut that p99 to 0.16-0.18x, and the long prompt's own first token came sooner.
     long_prefill_token_threshold: int = setting(
         512, "largest prefill chunk per request and step; 0: no cap", minimum=0, metavar="N")
     policy: SchedulingPolicy = setting(
