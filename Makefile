@@ -27,9 +27,11 @@ serve: venv
 soak: venv
 	$(PY) tests/runtime/server/soak.py --requests 2000 --concurrency 64
 
-# Every script in bench/, one after the other (each prints its markdown table; see BENCHMARKS.md).
+# Every script in bench/, one after the other; those that write a report (bench/results/NAME/) are
+# then spliced into BENCHMARKS.md and the README's headlines. `make bench BENCH="prefix_caching_ttft"`
+# runs only those scripts.
 bench: venv
-	for script in bench/*.py; do $(PY) $$script || exit 1; done
+	$(PY) scripts/run_benchmarks.py $(BENCH)
 
 # Helm reads no file outside the chart's folder: refresh the chart's copies of crds/ and of
 # operator/rbac.yaml after changing either (tests fail while a copy is stale).

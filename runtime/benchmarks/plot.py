@@ -58,6 +58,35 @@ def plot_results(paths: list[Path], output_dir: Path) -> list[Path]:
     return written
 
 
+def line_figure(path: Path, series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str,
+                title: str, log_x: bool = False, log_y: bool = False) -> Path:
+    """One figure, one line per series (a label ending in "p99" or "best" is dashed); the bench/
+    scripts draw their comparisons with it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
+        _line(axis, sorted(points), label, "--" if label.endswith(("p99", "best")) else "-")
+    if log_x:
+        axis.set_xscale("log", base=2)
+    if log_y:
+        axis.set_yscale("log")
+    axis.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return _save(figure, path)
+
+
+def scatter_figure(path: Path, series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str,
+                   title: str, log_y: bool = False) -> Path:
+    """One figure, one set of points per series: for samples in time, such as every token gap of a run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
+        axis.scatter([x for x, _ in points], [y for _, y in points], s=6, alpha=0.6, label=label)
+    if log_y:
+        axis.set_yscale("log")
+    axis.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return _save(figure, path)
+
+
 def _line(axis, points: list[tuple[float, float]], label: str, style: str = "-") -> None:
     # An infinite rate (all at once) is drawn one step past the largest finite one.
     finite = [x for x, _ in points if x != float("inf")]

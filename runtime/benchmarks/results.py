@@ -11,7 +11,8 @@ class RequestResult:
     success: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
-    # Seconds from sending the request.
+    # perf_counter() when it was sent; the other times are seconds from then.
+    sent_at: float = 0.0
     ttft: float | None = None
     e2e_latency: float = 0.0
     # Seconds between consecutive streamed chunks that carried text.

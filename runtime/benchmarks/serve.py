@@ -23,6 +23,8 @@ from kvpilot.runtime.benchmarks.results import RequestResult, summarize
 CONNECT_TIMEOUT_S = 10.0
 # A single request may legitimately stream for a long time; a stuck server still ends the run.
 REQUEST_TIMEOUT_S = 600.0
+# The result's per-request lists, beside its summary.
+PER_REQUEST_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "e2els", "errors")
 
 
 class BenchError(Exception):
@@ -60,10 +62,12 @@ def _chunk_text(chunk: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig, request: BenchRequest) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig, request: BenchRequest,
+                       first_token: asyncio.Event | None = None) -> RequestResult:
+    """One streamed request, timed; `first_token` (if given) is set when its first text arrives."""
     path, body = _request_body(config, request)
-    result = RequestResult(success=False)
     start = last = time.perf_counter()
+    result = RequestResult(success=False, sent_at=start)
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
@@ -79,6 +83,8 @@ async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig, requ
                 if _chunk_text(chunk):
                     if result.ttft is None:
                         result.ttft = now - start
+                        if first_token is not None:
+                            first_token.set()
                     else:
                         result.itl.append(now - last)
                     last = now
@@ -99,7 +105,7 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
-def _client(config: ServeBenchConfig, max_connections: int) -> httpx.AsyncClient:
+def client_for(config: ServeBenchConfig, max_connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     return httpx.AsyncClient(
         base_url=config.base_url.rstrip("/"), headers=headers,
@@ -130,7 +136,7 @@ async def run_benchmark(config: ServeBenchConfig, requests: list[BenchRequest],
                         progress: bool = True) -> tuple[list[RequestResult], float]:
     """Every request's result, in dataset order, and the seconds from the first send to the last answer."""
     limit = config.max_concurrency or len(requests)
-    async with _client(config, max_connections=limit + 1) as client:
+    async with client_for(config, max_connections=limit + 1) as client:
         await check_server(client, config)
         for warmup in warmup_requests(config.num_warmups):
             outcome = await send_request(client, config, warmup)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+RESULTS = BENCH / "results"
 TINY_ARGS = {
     "offline_throughput.py": ["--num-prompts", "2", "--new-tokens", "2", "--prefix-len", "24"],
     "serving_throughput.py": ["--num-requests", "2", "--max-tokens", "2"],
@@ -23,18 +25,46 @@ TINY_ARGS = {
     # Against HEAD, which any checkout has (the default baseline is a fixed older commit).
     "async_scheduling.py": ["--num-prompts", "2", "--new-tokens", "2", "--repeats", "1"],
     "scheduler_overhead.py": ["--baseline", "HEAD", "--running", "4", "8", "--steps", "3", "--repeats", "1"],
+    "concurrency_throughput.py": ["--num-prompts", "3", "--new-tokens", "2", "--concurrencies", "2",
+                                  "--repetitions", "2", "--threads", "1"],
+    "prefix_caching_ttft.py": ["--prefix-lens", "20", "--num-prompts", "2", "--input-len", "2", "--output-len", "2",
+                               "--repetitions", "1", "--threads", "1"],
+    "chunked_prefill_itl.py": ["--thresholds", "0,16", "--num-streams", "2", "--stream-input-len", "4",
+                               "--stream-output-len", "6", "--long-input-len", "40", "--repetitions", "1",
+                               "--threads", "1"],
+    "serving_sweep.py": ["--concurrencies", "1,2", "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+                         "--threads", "1"],
 }
 MODEL_FREE = {"kernels.py", "scheduler_overhead.py"}
+# These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
+# temporary folder, so that it never overwrites the committed results.
+WRITES_REPORT = {"concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py", "serving_sweep.py"}
 
 
 def test_every_script_has_a_tiny_mode():
     assert {path.name for path in BENCH.glob("*.py")} == set(TINY_ARGS)
 
 
+def _committed_results() -> dict[Path, int]:
+    return {path: path.stat().st_mtime_ns for path in RESULTS.rglob("*") if path.is_file()}
+
+
 @pytest.mark.parametrize("script", sorted(TINY_ARGS))
-def test_the_script_runs_and_prints_its_table(script, tiny_llama_dir):
+def test_the_script_runs_and_prints_its_table(script, tiny_llama_dir, tmp_path):
     model = [] if script in MODEL_FREE else ["--model", str(tiny_llama_dir)]
-    result = subprocess.run([sys.executable, str(BENCH / script), *model, *TINY_ARGS[script]],
+    output = ["--output-dir", str(tmp_path)] if script in WRITES_REPORT else []
+    before = _committed_results()
+    result = subprocess.run([sys.executable, str(BENCH / script), *model, *TINY_ARGS[script], *output],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| workload |" in result.stdout and "x |" in result.stdout
+    assert _committed_results() == before
+    if script not in WRITES_REPORT:
+        assert "| workload |" in result.stdout and "x |" in result.stdout
+        return
+    report = (tmp_path / "report.md").read_text()
+    assert report in result.stdout
+    assert re.search(r"^\|---\|", report, flags=re.MULTILINE) and "Command: `" in report
+    assert re.search(r"^Headline: \S", report, flags=re.MULTILINE)
+    figures = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
+    assert figures and all(Path(f).read_bytes().startswith(b"\x89PNG") for f in figures)
+    assert (tmp_path / "result.json").is_file()
