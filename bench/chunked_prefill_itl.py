@@ -113,13 +113,14 @@ def main() -> None:
     # The median round's gaps of each server (by its p99), in time since the long prompt arrived.
     median_rounds = {name: sorted(rs, key=lambda r: r["p99_itl_ms"])[len(rs) // 2] for name, rs in rounds.items()}
     figure = scatter_figure(
-        report.figure_path("itl_long_prompt.png"), {name: r["gaps"] for name, r in median_rounds.items()},
+        report.output_path("itl_long_prompt.png"), {name: r["gaps"] for name, r in median_rounds.items()},
         xlabel="seconds since the long prompt arrived", ylabel="gap between tokens of a stream, ms",
         title=f"Streams' ITL when a {tokens}-token prompt arrives (median round)", log_y=True)
-    names = list(rounds)
-    headline = "; ".join(
-        f"{name}: streams' p99 ITL {stat(name, 'p99_itl_ms')[1]:.0f} ms, long prompt TTFT {stat(name, 'long_ttft_ms')[1]:.0f} ms"
-        for name in names) + f" (medians, a {tokens}-token prompt arriving among {args.num_streams} streams)"
+    base, last = list(rounds)[0], list(rounds)[-1]
+    (base_itl, last_itl), (base_ttft, last_ttft) = ((stat(base, k)[1], stat(last, k)[1]) for k in ("p99_itl_ms", "long_ttft_ms"))
+    headline = (f"{last} against {base}: the p99 inter-token latency of {args.num_streams} running streams when a "
+                f"{tokens}-token prompt arrives {base_itl:.0f} -> {last_itl:.0f} ms ({last_itl / base_itl:.2f}x), the long "
+                f"prompt's TTFT {base_ttft:.0f} -> {last_ttft:.0f} ms ({last_ttft / base_ttft:.2f}x; medians)")
     data = {name: [{k: v for k, v in r.items() if k != "gaps"} for r in rs] for name, rs in rounds.items()}
     report.write(body, [figure], {"rounds": data}, headline)
 

@@ -111,7 +111,7 @@ def main() -> None:
             f"{args.repetitions} interleaved repetitions. transformers one at a time: "
             f"{sequential[0]:.0f} / {sequential[1]:.0f} tok/s (best / median).\n\n{table}")
     figure = line_figure(
-        report.figure_path("throughput_vs_concurrency.png"),
+        report.output_path("throughput_vs_concurrency.png"),
         {"kvpilot (continuous batching)": [(c, stats[f"kvpilot c={c}"][1]) for c in args.concurrencies],
          "transformers generate, batched": [(c, stats[f"transformers c={c}"][1]) for c in args.concurrencies],
          "transformers generate, one at a time": [(c, sequential[1]) for c in args.concurrencies]},

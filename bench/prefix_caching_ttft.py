@@ -84,14 +84,14 @@ def main() -> None:
             f"at most {args.max_concurrency} in flight; {args.repetitions} runs per server and prefix length, "
             f"alternating between the servers.\n\n{table}")
     figure = line_figure(
-        report.figure_path("ttft_prefix_caching.png"),
+        report.output_path("ttft_prefix_caching.png"),
         {f"prefix {name}": points for name, points in medians.items()},
         xlabel="prompt tokens (shared prefix + own words)", ylabel="median TTFT, ms (median run)",
         title="TTFT with and without prefix caching", log_y=True)
     longest = args.prefix_lens[-1]
     on, off = (best_and_median(samples[f"{name} {longest}"])[1] for name in SERVERS)
     headline = (f"prefix caching cuts the median TTFT {off / on:.1f}x on a shared {longest}-word prefix "
-                f"({off:.0f} ms to {on:.0f} ms over HTTP)")
+                f"over HTTP, {off:.0f} -> {on:.0f} ms")
     report.write(body, [figure], {"median_ttft_ms": samples, "runs": results}, headline)
 
 

@@ -52,7 +52,7 @@ def main() -> None:
     report = BenchReport(__file__, args.output_dir, args.threads, ROOT)
     model = args.model or str(ensure_default_model())
     name = "smollm2" if not args.model else "bench"
-    result_json = report.figure_path("sweep.json")
+    result_json = report.output_path("sweep.json")
 
     with local_server(model, "--served-model-name", name, env={"OMP_NUM_THREADS": str(args.threads)}) as base_url:
         sweep = _kvpilot("bench", "sweep", "--base-url", base_url, "--model", name, "--concurrencies", args.concurrencies,
@@ -62,7 +62,7 @@ def main() -> None:
     plot = _kvpilot("bench", "plot", _path(result_json), "--output-dir", _path(args.output_dir))
 
     runs = json.loads(result_json.read_text())["runs"]
-    rows = [[run["max_concurrency"], f"{run['request_throughput']:.2f}", f"{run['output_throughput']:.0f}",
+    rows = [[run["max_concurrency"], f"{run['request_throughput']:.3g}", f"{run['output_throughput']:.3g}",
              f"{run['median_ttft_ms']:.0f} / {run['p99_ttft_ms']:.0f}", f"{run['median_itl_ms']:.0f} / {run['p99_itl_ms']:.0f}",
              f"{run['median_tpot_ms']:.0f}", f"{run['median_e2el_ms']:.0f}"] for run in runs]
     table = markdown_table(["max concurrency", "req/s", "output tok/s", "TTFT median / p99 ms", "ITL median / p99 ms",
@@ -73,7 +73,7 @@ def main() -> None:
             f"The commands, with the server's URL:\n\n```sh\n{sweep.replace(base_url, '$URL')}\n"
             f"{plot}\n```\n\n{table}")
     first, last = runs[0], runs[-1]
-    headline = (f"serving {name} at concurrency {last['max_concurrency']}: {last['output_throughput']:.0f} output tok/s, "
+    headline = (f"serving {name} at concurrency {last['max_concurrency']}: {last['output_throughput']:.3g} output tok/s, "
                 f"{last['output_throughput'] / first['output_throughput']:.1f}x concurrency {first['max_concurrency']}")
     figures = [args.output_dir / "throughput.png", args.output_dir / "latency.png"]
     report.write(body, figures, {"runs": [{k: v for k, v in run.items() if not isinstance(v, list)} for run in runs]},

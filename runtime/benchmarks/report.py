@@ -82,7 +82,8 @@ class BenchReport:
         }
         self.started = time.perf_counter()
 
-    def figure_path(self, name: str) -> Path:
+    def output_path(self, name: str) -> Path:
+        """A file in the output folder (created), for a figure or a raw result."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         return self.output_dir / name
 

@@ -34,7 +34,7 @@ def test_a_report_names_its_command_machine_and_figures(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["bench/x.py", "--repetitions", "2"])
     out = tmp_path / "bench" / "results" / "x"
     report = BenchReport(str(tmp_path / "bench" / "x.py"), out, torch_threads=2, link_root=tmp_path)
-    figure = line_figure(report.figure_path("f.png"), {"ours": [(1, 2.0), (4, 3.0)], "ours best": [(1, 2.5)]},
+    figure = line_figure(report.output_path("f.png"), {"ours": [(1, 2.0), (4, 3.0)], "ours best": [(1, 2.5)]},
                          xlabel="c", ylabel="tok/s", title="t", log_x=True)
     outside = scatter_figure(tmp_path.parent / f"{tmp_path.name}-outside.png", {"gaps": [(0.1, 5.0), (0.2, 7.0)]},
                              xlabel="s", ylabel="ms", title="t", log_y=True)
