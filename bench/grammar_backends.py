@@ -1,8 +1,9 @@
 """xgrammar against llguidance on the default model's tokenizer (SmolLM2, 49,152 tokens): what a
 JSON schema costs to compile, and what one decode step's token mask costs.
 
-    .venv/bin/pip install xgrammar==0.2.9   # the comparison only; kvpilot runs on llguidance
-    .venv/bin/python bench/grammar_backends.py [--repeats 5] [--threads 1]
+    .venv/bin/python bench/grammar_backends.py [--repeats 5] [--threads 1] [--model DIR]
+
+xgrammar comes with the bench extra for this comparison only; kvpilot runs on llguidance.
 
 Each repetition compiles every schema cold (a fresh compiler, so nothing is cached) with each
 backend, interleaved, then walks each schema's example document token by token, filling the
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime" / "structured_output"))
 from schemas import SCHEMAS  # noqa: E402
 
+from kvpilot.runtime.config import EngineArgs  # noqa: E402
 from kvpilot.runtime.models.default_model import ensure_default_model  # noqa: E402
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer  # noqa: E402
 
@@ -90,16 +92,18 @@ class LLGuidance:
         return len(tokens)
 
 
-def engine_overhead(repeats: int) -> None:
+def engine_overhead(model: str, repeats: int, new_tokens: int) -> None:
     from kvpilot.runtime import LLM, SamplingParams
     from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
-    llm = LLM(str(ensure_default_model()), max_model_len=256)
+    llm = LLM(model, max_model_len=256)
     prompts = [f"Write about topic {i}:" for i in range(8)]
+    # Bounded below by more characters than the tokens can write, so every request writes all of them.
+    regex = StructuredOutputsParams(regex="[a-z ,.]{%d,%d}" % (8 * new_tokens, 10 * new_tokens))
     runs = {
-        "no grammar": SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
-        "regex on every request": SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
-                                                 structured_outputs=StructuredOutputsParams(regex="[a-z ,.]{200,300}")),
+        "no grammar": SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+        "regex on every request": SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True,
+                                                 structured_outputs=regex),
     }
     llm.generate(prompts, runs["regex on every request"])  # compiles the grammar, warms up
     seconds = {name: [] for name in runs}
@@ -108,8 +112,8 @@ def engine_overhead(repeats: int) -> None:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)
             seconds[name].append(time.perf_counter() - start)
-            assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)
-    print("| run | 8 x 32 tokens, min / median (s) |\n|---|---|")
+            assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
+    print(f"| run | 8 x {new_tokens} tokens, min / median (s) |\n|---|---|")
     for name, s in seconds.items():
         print(f"| {name} | {min(s):.2f} / {statistics.median(s):.2f} |")
     ratio = statistics.median(seconds["regex on every request"]) / statistics.median(seconds["no grammar"])
@@ -121,17 +125,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engine", action="store_true", help="the engine's cost of a grammar instead")
+    parser.add_argument("--model", help="checkpoint whose tokenizer (and, with --engine, weights) to use; "
+                                        "default: the default model")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per request with --engine")
+    parser.add_argument("--schemas", type=int, default=len(SCHEMAS), help="how many of the test schemas to compile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    model = args.model or str(ensure_default_model())
     if args.engine:
-        engine_overhead(args.repeats)
+        engine_overhead(model, args.repeats, args.new_tokens)
         return
 
-    tokenizer, _ = load_tokenizer(str(ensure_default_model()))
+    config = EngineArgs.from_kwargs(model).create_engine_config().model
+    tokenizer, _ = load_tokenizer(model, config.tokenizer)
     hf = hf_tokenizer(tokenizer)
-    vocab_size, eos = tokenizer.get_vocab_size(), hf.convert_tokens_to_ids("<|im_end|>")
+    vocab_size, eos = config.vocab_size, config.eos_token_ids[0]
+    schemas = SCHEMAS[: args.schemas]
     documents = [tokenizer.encode(json.dumps(example, separators=(",", ":")), add_special_tokens=False).ids
-                 for _, example in SCHEMAS]
+                 for _, example in schemas]
 
     setup, backends = {}, []
     for cls in (XGrammar, LLGuidance):
@@ -144,24 +155,24 @@ def main() -> None:
     for _ in range(args.repeats):
         for backend in backends:
             start = time.perf_counter()
-            compiled = [backend.compile(schema) for schema, _ in SCHEMAS]
-            compile_s[backend.name].append((time.perf_counter() - start) / len(SCHEMAS))
+            compiled = [backend.compile(schema) for schema, _ in schemas]
+            compile_s[backend.name].append((time.perf_counter() - start) / len(schemas))
             start = time.perf_counter()
             steps = sum(backend.walk(c, doc) for c, doc in zip(compiled, documents))
             step_s[backend.name].append((time.perf_counter() - start) / steps)
 
-    print(f"vocab {vocab_size}, {len(SCHEMAS)} schemas, {sum(map(len, documents))} tokens of documents, "
+    print(f"vocab {vocab_size}, {len(schemas)} schemas, {sum(map(len, documents))} tokens of documents, "
           f"{args.repeats} repetitions, torch threads {args.threads}, bitmask {np.int32().nbytes * -(-vocab_size // 32)} B/row\n")
-    print("| backend | tokenizer setup (s) | compile per schema, min / median (ms) "
-          "| mask + accept per token, min / median (us) |")
+    def row(label: str, values: dict[str, list[float]], scale: float) -> str:
+        cells = [f"{min(values[b.name]) * scale:.2f} / {statistics.median(values[b.name]) * scale:.2f}" for b in backends]
+        ratio = statistics.median(values["llguidance"]) / statistics.median(values["xgrammar"])
+        return f"| {label} | {' | '.join(cells)} | {ratio:.2f}x |"
+
+    print("| workload | xgrammar, min / median | llguidance, min / median | llguidance / xgrammar (medians) |")
     print("|---|---|---|---|")
-    for backend in backends:
-        c, s = compile_s[backend.name], step_s[backend.name]
-        print(f"| {backend.name} | {setup[backend.name]:.2f} | {min(c) * 1e3:.2f} / {statistics.median(c) * 1e3:.2f} "
-              f"| {min(s) * 1e6:.1f} / {statistics.median(s) * 1e6:.1f} |")
-    ratio = {"compile": statistics.median(compile_s["llguidance"]) / statistics.median(compile_s["xgrammar"]),
-             "step": statistics.median(step_s["llguidance"]) / statistics.median(step_s["xgrammar"])}
-    print(f"\nllguidance / xgrammar (medians): compile {ratio['compile']:.2f}x, per-token mask {ratio['step']:.2f}x")
+    print(row("tokenizer setup (s)", {name: [t] for name, t in setup.items()}, 1))
+    print(row("compile per schema (ms)", compile_s, 1e3))
+    print(row("mask + accept per token (us)", step_s, 1e6))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ TINY_ARGS = {
     "chunked_prefill_itl.py": ["--thresholds", "0,16", "--num-streams", "2", "--stream-input-len", "4",
                                "--stream-output-len", "6", "--long-input-len", "40", "--repetitions", "1",
                                "--threads", "1"],
+    # The two grammar engines compared on the tiny model's tokenizer.
+    "grammar_backends.py": ["--repeats", "1", "--schemas", "3"],
     "serving_sweep.py": ["--concurrencies", "1,2", "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
                          "--threads", "1"],
 }
