@@ -13,6 +13,14 @@ from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 GREEDY_TEMPERATURE = 1e-5
 
 
+class ParamError(ValueError):
+    """A ValueError that names the request field at fault (the `param` of the API's 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request; field names and meanings follow vLLM's SamplingParams."""
@@ -37,6 +45,18 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # A grammar the output must match (JSON schema, regex, choice, EBNF); see StructuredOutputsParams.
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's: subtracted from the logit of each token in the output so far, once (presence) or
+    # once per occurrence (frequency); within [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (CTRL's): a token of the prompt or the output has a positive logit divided by it and a
+    # negative one multiplied; 1 is off, above 1 discourages repeats.
+    repetition_penalty: float = 1.0
+    # vLLM's: the only tokens that may be sampled; None allows every token.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, tokenized by the frontend: each sequence's last token is banned where the
+    # output ends with the rest of it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -67,12 +87,27 @@ class SamplingParams:
         if self.logit_bias is not None and any(not (0 <= token and -100 <= bias <= 100)
                                                for token, bias in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids (non-negative) to biases within [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ParamError("repetition_penalty",
+                             f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ParamError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+        if any(not word or min(word) < 0 for word in self.bad_words_token_ids):
+            raise ParamError("bad_words", "each bad word must be a non-empty sequence of token ids")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         self.stop_token_ids = list(self.stop_token_ids)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if "" in self.stop:
             raise ValueError("stop strings must not be empty")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The params of choice `index` of n: one sequence, and its own seed when seeded."""

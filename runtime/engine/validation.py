@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.runtime.request import SamplingParams
+from kvpilot.runtime.request import ParamError, SamplingParams
 
 # vLLM's default cap on logprobs and prompt_logprobs.
 MAX_LOGPROBS = 20
@@ -30,12 +30,16 @@ def validate_request(
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
-    bad = [t for t in params.logit_bias or {} if t >= vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+    token_lists = {
+        "stop_token_ids": params.stop_token_ids,
+        "logit_bias": list(params.logit_bias or {}),
+        "allowed_token_ids": params.allowed_token_ids or [],
+        "bad_words": [t for word in params.bad_words_token_ids for t in word],
+    }
+    for name, token_ids in token_lists.items():
+        bad = [t for t in token_ids if t >= vocab_size]
+        if bad:
+            raise ParamError(name, f"{name}: token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > min(MAX_LOGPROBS, vocab_size):

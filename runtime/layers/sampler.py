@@ -1,4 +1,8 @@
-"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+The logits are first adjusted (allowed tokens, bad words, min_tokens, logit bias, penalties: see
+logits_processors.py) for the rows that ask for it; greedy rows then take the argmax.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.runtime.layers.logits_processors import LogitsAdjustments
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
 
 
@@ -23,8 +28,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     all_greedy: bool
     all_random: bool
-    # (rows, token ids, biases) added to the logits before sampling; None when no row has one.
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # None when no row has a logit bias, penalties or a token restriction.
+    adjustments: LogitsAdjustments | None = None
     # (rows, packed int32 masks [len(rows), ceil(V / 32)]) of the rows under a grammar: bit t of
     # a row's mask set means token t is allowed. None when no row has a grammar.
     grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -69,9 +74,8 @@ class Sampler(torch.nn.Module):
             # forbids has probability 0.
             logits = apply_grammar_bitmask(logits, *metadata.grammar_bitmask)
         raw_logits = logits
-        if metadata.logit_bias is not None:
-            rows, tokens, biases = metadata.logit_bias
-            logits = logits.index_put((rows, tokens), biases, accumulate=True)
+        if metadata.adjustments is not None:
+            logits = metadata.adjustments.apply(logits)
         if metadata.all_random:
             sampled = _sample_random(logits, metadata, generator)
         else:
@@ -83,8 +87,8 @@ class Sampler(torch.nn.Module):
 
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            # Logprobs describe the model's own distribution, untouched by the sampling filters
-            # and the logit bias (vLLM's default `raw_logprobs` mode).
+            # Logprobs describe the model's own distribution, untouched by the sampling filters,
+            # the logit bias and the penalties (vLLM's default `raw_logprobs` mode).
             raw = raw_logits.log_softmax(dim=-1)
             logprobs = gather_logprobs(raw, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)

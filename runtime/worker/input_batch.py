@@ -45,7 +45,6 @@ class InputBatch:
         self.generators: dict[str, torch.Generator] = {}
         self.num_logprobs: dict[str, int] = {}
         self.num_prompt_logprobs: dict[str, int] = {}
-        self.logit_bias: dict[str, dict[int, float]] = {}
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -79,8 +78,6 @@ class InputBatch:
             self.num_logprobs[new.req_id] = params.logprobs
         if params.prompt_logprobs is not None:
             self.num_prompt_logprobs[new.req_id] = params.prompt_logprobs
-        if params.logit_bias:
-            self.logit_bias[new.req_id] = params.logit_bias
 
     def remove_request(self, req_id: str, preempted: bool = False) -> None:
         """Drop the request's row; a preempted request keeps its generator for when it resumes."""
@@ -93,12 +90,14 @@ class InputBatch:
         heapq.heappush(self._holes, row)
         self.num_logprobs.pop(req_id, None)
         self.num_prompt_logprobs.pop(req_id, None)
-        self.logit_bias.pop(req_id, None)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+
+    def output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
 
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id

@@ -15,6 +15,7 @@ from kvpilot.runtime.models.loader import load_model
 from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
 from kvpilot.runtime.worker.input_batch import InputBatch
+from kvpilot.runtime.worker.logits_state import LogitsState
 
 
 class ModelRunner:
@@ -33,6 +34,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             max_blocks_per_req=-(-self.max_model_len // self.block_size),
         )
+        eos = config.model.eos_token_ids
+        self.logits_state = LogitsState(config.model.vocab_size, eos[0] if eos else None, device)
 
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.model.attention_layers[0]
@@ -97,6 +100,7 @@ class ModelRunner:
             metadata = self._sampling_metadata(step.rows[sample_idx], sample_ids)
             metadata.grammar_bitmask = self._grammar_bitmask(scheduler_output.grammar_bitmask, sample_ids)
             output = self.sampler(logits, metadata, self.generator)
+            self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
             tokens = output.sampled_token_ids.tolist()
             for j, i in enumerate(sample_idx):
                 sampled[i] = [tokens[j]]
@@ -112,10 +116,13 @@ class ModelRunner:
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.batch.remove_request(req_id)
+            self.logits_state.remove_request(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             self.batch.remove_request(req_id, preempted=True)
+            self.logits_state.remove_request(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             self.batch.add_request(new)
+            self.logits_state.add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
@@ -133,18 +140,10 @@ class ModelRunner:
             min_p=_tensor(min_p, self.device) if (min_p > 0).any() else None,
             generators={i: self.batch.generators[r] for i, r in enumerate(req_ids) if r in self.batch.generators},
             max_num_logprobs=max(asked) if asked else None,
-            logit_bias=self._logit_bias(req_ids),
+            adjustments=self.logits_state.adjustments(req_ids, lambda i: self.batch.output_token_ids(rows[i])),
             all_greedy=bool(greedy.all()),
             all_random=not greedy.any(),
         )
-
-    def _logit_bias(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        entries = [(i, token, bias) for i, r in enumerate(req_ids) for token, bias in self.batch.logit_bias.get(r, {}).items()]
-        if not entries:
-            return None
-        rows, tokens, biases = zip(*entries)
-        return (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device),
-                torch.tensor(biases, dtype=torch.float32, device=self.device))
 
     def _grammar_bitmask(self, grammar: GrammarBitmask | None, req_ids: list[str]
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from kvpilot.runtime.layers.logits_processors import LogitsAdjustments
 from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p, gather_logprobs
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
 
@@ -237,8 +238,8 @@ def test_logit_bias_steers_greedy_and_random_rows_but_not_the_logprobs():
     metadata = _metadata([0.0, 0.0, 1.0], generators={2: _seeded(2)}, max_num_logprobs=1)
     favoured, banned = 7, int(logits[1].argmax())
     # Row 0 and the random row 2 favour token 7; row 1 bans its own greedy pick.
-    metadata.logit_bias = (torch.tensor([0, 1, 2]), torch.tensor([favoured, banned, favoured]),
-                           torch.tensor([100.0, -100.0, 100.0]))
+    metadata.adjustments = LogitsAdjustments(logit_bias=(
+        torch.tensor([0, 1, 2]), torch.tensor([favoured, banned, favoured]), torch.tensor([100.0, -100.0, 100.0])))
     out = Sampler()(logits, metadata)
     assert out.sampled_token_ids[0] == favoured and out.sampled_token_ids[2] == favoured
     assert out.sampled_token_ids[1] == logits[1].topk(2).indices[1]
