@@ -47,10 +47,13 @@ def vllm_reference(logits: torch.Tensor, prompt: list[int], output: list[int], p
 
 def reference_greedy(oracle: HFOracle, prompt: list[int], params: SamplingParams, eos_token_id: int | None) -> list[int]:
     output: list[int] = []
+    inputs, cache = prompt, None
     while len(output) < params.max_tokens:
         with torch.no_grad():
-            logits = oracle.model(torch.tensor([prompt + output])).logits[0, -1]
-        token = int(vllm_reference(logits, prompt, output, params, eos_token_id).argmax())
+            step = oracle.model(torch.tensor([inputs]), cache=cache, use_cache=True)
+        cache = step.cache
+        token = int(vllm_reference(step.logits[0, -1], prompt, output, params, eos_token_id).argmax())
+        inputs = [token]
         output.append(token)
         stops = token in params.stop_token_ids or (token == eos_token_id and not params.ignore_eos)
         if len(output) >= params.min_tokens and stops:
