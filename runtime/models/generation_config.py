@@ -13,7 +13,7 @@ from pathlib import Path
 from kvpilot.runtime.models.gguf_checkpoint import is_gguf
 
 # The generation_config.json keys the engine's sampler implements, under the request's names.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(model: str, setting: str = "auto") -> dict:

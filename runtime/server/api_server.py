@@ -113,15 +113,23 @@ def _openai_routes(serving: Serving, template: ChatTemplate, tools: ToolSettings
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, serving, template, tools)
 
+    card = {
+        "id": serving.model_name, "object": "model", "created": created, "owned_by": "kvpilot",
+        # vLLM's root is the model as the user named it; here that is the served name, never a path.
+        "root": serving.model_name, "max_model_len": engine.max_model_len,
+        # Where a request leaves a sampling field out, this is what it gets instead of OpenAI's default.
+        "sampling_defaults": serving.sampling_defaults,
+    }
+
     @router.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": serving.model_name, "object": "model", "created": created, "owned_by": "kvpilot",
-            # vLLM's root is the model as the user named it; here that is the served name, never a path.
-            "root": serving.model_name, "max_model_len": engine.max_model_len,
-            # Where a request leaves a sampling field out, this is what it gets instead of OpenAI's default.
-            "sampling_defaults": serving.sampling_defaults,
-        }]}
+        return {"object": "list", "data": [card]}
+
+    # `path`: a served name may hold slashes ("org/model"), as Hugging Face names do.
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        serving.check_model(model_id)
+        return card
 
     return router
 

@@ -21,6 +21,12 @@ from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 MAX_LOGPROBS = 20
 # Tokens one request may bias (OpenAI's own limit is of this order).
 MAX_LOGIT_BIAS = 300
+# vLLM's default VLLM_MAX_NUM_BAD_WORDS is of this order; each word costs a check per token.
+MAX_BAD_WORDS = 128
+# Bad words are short, so that tokenizing them all on the event loop costs well under a millisecond.
+MAX_BAD_WORD_LENGTH = 256
+# Content parts a text-only model cannot take (OpenAI's and vLLM's media parts).
+MEDIA_PART_TYPES = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "image_embeds")
 # The roles chat templates are written for (OpenAI's, with its newer "developer").
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Integers cross to the engine as 64-bit (msgpack, torch); anything larger is refused here.
@@ -130,7 +136,14 @@ class GenerationRequest(RequestBody):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's: token id (as a string) -> a bias within [-100, 100] added to its logit.
     logit_bias: dict[str, float] | None = None
-    # Known to OpenAI's API, and not supported here: refused rather than ignored.
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # vLLM's: 1 is off; JSON has no infinity, so any positive number is finite here.
+    repetition_penalty: float = Field(1.0, gt=0)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
+    # OpenAI's: best_of candidates, the n likeliest returned. Only best_of == n (which returns
+    # every candidate, so means nothing more) is accepted.
     best_of: int | None = None
     # Structured outputs, in OpenAI's shape, vLLM's, and vLLM's older guided_* fields; one at most.
     response_format: ResponseFormat | None = None
@@ -155,8 +168,8 @@ class GenerationRequest(RequestBody):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.best_of is not None:
-            raise ValueError("best_of is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported by this server (only best_of == n, here {self.n})")
         if self.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern is not supported by this server")
         return self
@@ -191,12 +204,21 @@ class GenerationRequest(RequestBody):
             raise ValueError("stop strings must not be empty")
         return stop
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _non_negative_ids(cls, ids: list[int]) -> list[int]:
-        if any(t < 0 for t in ids):
+    def _non_negative_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(t < 0 for t in ids):
             raise ValueError("token ids must be non-negative")
         return ids
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_blank_bad_word(cls, words: list[str]) -> list[str]:
+        if any(not word.strip() for word in words):
+            raise ValueError("bad words must not be empty or blank")
+        if any(len(word) > MAX_BAD_WORD_LENGTH for word in words):
+            raise ValueError(f"bad words may be at most {MAX_BAD_WORD_LENGTH} characters long")
+        return words
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -220,32 +242,28 @@ class GenerationRequest(RequestBody):
 
 
 class CompletionRequest(GenerationRequest):
-    # One prompt per request: a string or token ids (a one-element batch is unwrapped).
+    # A prompt (a string or token ids) or a batch of them; each gets its n choices.
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's legacy default; null asks for whatever room the context has left (vLLM).
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt comes first in each choice's text (and, with logprobs, in its logprobs).
     echo: bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(f"batches of prompts are not supported: send one prompt per request "
-                                 f"(got {len(prompt)})")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
+    def _some_prompt(cls, prompt):
+        if not prompt:
+            raise ValueError("the prompt (or batch of prompts) must not be empty")
+        if any(isinstance(p, list) and any(t < 0 for t in p) for p in _as_batch(prompt)):
             raise ValueError("token ids must be non-negative")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts; a single prompt is a batch of one."""
+        return _as_batch(self.prompt)
 
     @field_validator("suffix")
     @classmethod
@@ -253,6 +271,12 @@ class CompletionRequest(GenerationRequest):
         if suffix is not None:
             raise ValueError("suffix is not supported")
         return suffix
+
+
+def _as_batch(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 class TextPart(RequestBody):
@@ -305,6 +329,15 @@ class ChatMessage(RequestBody):
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        # Said before the parts are parsed: pydantic would only say that the part is no TextPart.
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                raise ValueError(f"this model takes text only: {part['type']} content parts are not supported")
+        return content
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -457,8 +490,9 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per generated token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for an echoed prompt's first token, which nothing comes before.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

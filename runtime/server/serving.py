@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from kvpilot.runtime.engine.async_llm import AsyncLLM, SlowConsumerError
+from kvpilot.runtime.engine.bad_words import bad_words_token_ids
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import StreamOutput
 from kvpilot.runtime.outputs import Logprob
@@ -32,6 +33,7 @@ from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.limits import ServerLimits
+from kvpilot.runtime.server.prompt_batch import merged
 from kvpilot.runtime.server.protocol import ChatMessage, GenerationRequest, Usage
 from kvpilot.runtime.server.streaming import StallingStreamingResponse
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
@@ -82,19 +84,19 @@ class Choice:
 
 
 class UsageCounter:
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
+    def __init__(self, batch: list[EngineRequest]) -> None:
+        # Per prompt, counted once however many choices it has.
+        self._prompt_tokens = sum(len(request.prompt_token_ids) for request in batch)
         self._output_tokens: dict[int, int] = {}
 
     def add(self, output: StreamOutput) -> None:
-        self.prompt_tokens = output.num_prompt_tokens
         # Cumulative per choice: the latest value is the count.
         self._output_tokens[output.index] = output.num_output_tokens
 
     def usage(self) -> Usage:
+        prompt = self._prompt_tokens
         completion = sum(self._output_tokens.values())
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.prompt_tokens + completion)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 class ResponseFormat(Protocol):
@@ -240,7 +242,8 @@ class Serving:
 
     def engine_request(self, body: GenerationRequest, prompt_token_ids: list[int], *, prompt_param: str,
                        max_tokens: int | None, logprobs: int | None, tenant: Tenant | None,
-                       request_id: str, structured_outputs: StructuredOutputsParams | None = None) -> EngineRequest:
+                       request_id: str, prompt_logprobs: int | None = None,
+                       structured_outputs: StructuredOutputsParams | None = None) -> EngineRequest:
         """Checks the request against the model and the limits, and applies the tenant's priority and salt.
 
         `structured_outputs` is the constraint `structured_outputs()` checked (or one the route made).
@@ -265,12 +268,17 @@ class Serving:
                 seed=body.seed, stop=body.stop_strings,
                 stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
-                prompt_logprobs=body.prompt_logprobs, logit_bias=body.token_logit_bias,
+                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                logit_bias=body.token_logit_bias, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, allowed_token_ids=body.allowed_token_ids,
+                # Bounded (protocol.py) to well under a millisecond of tokenizing.
+                bad_words_token_ids=bad_words_token_ids(
+                    body.bad_words, lambda text: self.engine.encode(text, add_special_tokens=False)),
                 structured_outputs=structured_outputs,
             )
             self.engine.validate(prompt_token_ids, params)
         except ValueError as err:
-            raise bad_request(str(err)) from err
+            raise bad_request(str(err), getattr(err, "param", None)) from err
         if tenant is None:
             priority, cache_salt = body.priority or 0, body.cache_salt
         else:
@@ -281,17 +289,23 @@ class Serving:
             cache_salt=cache_salt, tenant=None if tenant is None else tenant.name,
         )
 
-    async def respond(self, http_request: Request, request: EngineRequest, response_format: ResponseFormat,
-                      *, stream: bool, include_usage: bool, continuous_usage: bool = False) -> Response:
-        """`continuous_usage`: the usage so far on every chunk (vLLM's stream_options.continuous_usage_stats)."""
-        # Each of the n choices is a sequence of the tenant's limit, held until the response ends.
-        http_request.state.sequences.acquire(request.params.n)
+    async def respond(self, http_request: Request, request: EngineRequest | list[EngineRequest],
+                      response_format: ResponseFormat, *, stream: bool, include_usage: bool,
+                      continuous_usage: bool = False) -> Response:
+        """Answers one request, or a batch of them (one per prompt, each with the same n).
+
+        `continuous_usage`: the usage so far on every chunk (vLLM's stream_options.continuous_usage_stats).
+        """
+        batch = [request] if isinstance(request, EngineRequest) else request
+        # Each of the n choices of each prompt is a sequence of the tenant's limit, held until the
+        # response ends.
+        http_request.state.sequences.acquire(sum(r.params.n for r in batch))
         if stream:
-            events = self._events(request, response_format, include_usage, continuous_usage)
+            events = self._events(batch, response_format, include_usage, continuous_usage)
             return StallingStreamingResponse(events, self.limits.stream_stall_timeout_s, self.on_slow_client,
                                              media_type="text/event-stream")
         try:
-            collected = await _unless_disconnected(http_request, self._collect(request))
+            collected = await _unless_disconnected(http_request, self._collect(batch))
         except ValueError as err:
             raise bad_request(str(err)) from err
         if collected is None:
@@ -299,27 +313,27 @@ class Serving:
             return Response(status_code=499)
         return JSONResponse(response_format.response(*collected).model_dump())
 
-    def _generate(self, request: EngineRequest, max_buffered_outputs: int | None = None
+    def _generate(self, batch: list[EngineRequest], max_buffered_outputs: int | None = None
                   ) -> AsyncIterator[StreamOutput]:
-        return self.engine.generate(
+        streams = [self.engine.generate(
             request.prompt_token_ids, request.params, request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, tenant=request.tenant, max_buffered_outputs=max_buffered_outputs,
-        )
+        ) for request in batch]
+        return streams[0] if len(streams) == 1 else merged(streams, batch[0].params.n)
 
-    async def _collect(self, request: EngineRequest) -> tuple[list[Choice], Usage]:
-        choices = [Choice(index) for index in range(request.params.n)]
-        usage = UsageCounter()
+    async def _collect(self, batch: list[EngineRequest]) -> tuple[list[Choice], Usage]:
+        choices = [Choice(index) for index in range(sum(r.params.n for r in batch))]
+        usage = UsageCounter(batch)
         # aclosing: a cancelled collection closes the stream, which aborts the request in the engine.
-        async with contextlib.aclosing(self._generate(request)) as outputs:
+        async with contextlib.aclosing(self._generate(batch)) as outputs:
             async for output in outputs:
                 choices[output.index].add(output)
                 usage.add(output)
         return choices, usage.usage()
 
-    async def _events(self, request: EngineRequest, response_format: ResponseFormat,
+    async def _events(self, batch: list[EngineRequest], response_format: ResponseFormat,
                       include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes | str]:
-        usage = UsageCounter()
-        usage.prompt_tokens = len(request.prompt_token_ids)
+        usage = UsageCounter(batch)
         text_chunks = TextChunks(response_format.chunk)
         try:
             for chunk in response_format.opening_chunks():
@@ -327,7 +341,7 @@ class Serving:
                     chunk.usage = usage.usage()
                 yield sse_event(chunk)
             # Only a stream's consumer can stall (on its client); a collection always reads.
-            outputs = self._generate(request, self.limits.max_buffered_outputs)
+            outputs = self._generate(batch, self.limits.max_buffered_outputs)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     usage.add(output)
@@ -339,9 +353,9 @@ class Serving:
                         continue
                     if continuous_usage:
                         # Per choice, as vLLM counts it: this choice's tokens so far.
-                        chunk.usage = Usage(prompt_tokens=usage.prompt_tokens,
+                        chunk.usage = Usage(prompt_tokens=output.num_prompt_tokens,
                                             completion_tokens=output.num_output_tokens,
-                                            total_tokens=usage.prompt_tokens + output.num_output_tokens)
+                                            total_tokens=output.num_prompt_tokens + output.num_output_tokens)
                     yield sse_event(chunk)
         except ValueError as err:
             yield sse_error(bad_request(str(err)))

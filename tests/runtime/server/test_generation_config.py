@@ -23,9 +23,10 @@ def _model(folder, **config):
 
 def test_auto_reads_the_sampling_keys_beside_the_model(tmp_path):
     model = _model(tmp_path / "m", temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1)
-    assert generation_defaults(model) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    expected = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    assert generation_defaults(model) == expected
     assert generation_defaults(model, "vllm") == {}
-    assert generation_defaults(str(tmp_path / "m" / "model.gguf")) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert generation_defaults(str(tmp_path / "m" / "model.gguf")) == expected
     assert generation_defaults(str(tmp_path / "none")) == {}
 
 

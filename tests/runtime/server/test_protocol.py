@@ -24,16 +24,18 @@ def test_completion_defaults_follow_openai_and_vllm():
     assert request.stop_strings == [] and not request.include_usage
 
 
-@pytest.mark.parametrize("prompt, unwrapped", [("x", "x"), ([1, 2], [1, 2]), (["x"], "x"), ([[1, 2]], [1, 2])])
-def test_one_prompt_per_request(prompt, unwrapped):
-    assert CompletionRequest(prompt=prompt).prompt == unwrapped
+@pytest.mark.parametrize("prompt, batch", [
+    ("x", ["x"]), ([1, 2], [[1, 2]]), (["x"], ["x"]), ([[1, 2]], [[1, 2]]), (["x", "y"], ["x", "y"]),
+    ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_a_prompt_or_a_batch_of_them(prompt, batch):
+    assert CompletionRequest(prompt=prompt).prompts == batch
 
 
 @pytest.mark.parametrize("fields", [
-    {"prompt": ["x", "y"]},
-    {"prompt": [[1], [2]]},
+    {"prompt": []},
     {"prompt": [1, -2]},
-    {"prompt": "x", "echo": True},
+    {"prompt": [[1], [2, -3]]},
     {"prompt": "x", "stream_options": {"include_usage": True}},
     {"prompt": "x", "stop": ["a", ""]},
     # Strict types: neither strings nor booleans pass for numbers, and no number is infinite.
@@ -47,6 +49,16 @@ def test_one_prompt_per_request(prompt, unwrapped):
     # Known fields this server does not honour are refused, not ignored.
     {"prompt": "x", "suffix": "y"},
     {"prompt": "x", "best_of": 2},
+    {"prompt": "x", "n": 2, "best_of": 3},
+    {"prompt": "x", "presence_penalty": 2.5},
+    {"prompt": "x", "frequency_penalty": -2.01},
+    {"prompt": "x", "repetition_penalty": 0},
+    {"prompt": "x", "repetition_penalty": -1.0},
+    {"prompt": "x", "allowed_token_ids": []},
+    {"prompt": "x", "allowed_token_ids": [3, -1]},
+    {"prompt": "x", "bad_words": [" "]},
+    {"prompt": "x", "bad_words": ["x" * 257]},
+    {"prompt": "x", "bad_words": ["w"] * 129},
     {"prompt": "x", "logit_bias": {"5": 101.0}},
     {"prompt": "x", "logit_bias": {"five": 1.0}},
     {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}},
