@@ -44,8 +44,8 @@ class TenantSequences:
             return
         limit = self.tenants.limit(self.tenant)
         if limit is not None and n > limit:
-            raise bad_request(f"n={n} is more sequences than tenant {self.tenant.name!r} may run at once "
-                              f"({limit}): lower n", "n")
+            raise bad_request(f"{n} sequences (n for each prompt) are more than tenant {self.tenant.name!r} may "
+                              f"run at once ({limit}): lower n, or send fewer prompts", "n")
         if not self.tenants.try_admit(self.tenant, n):
             raise APIError(429, f"tenant {self.tenant.name!r} has {self.tenants.active(self.tenant.name)} "
                                 f"sequences in flight and its limit is {limit}: {n} more do not fit",

@@ -211,6 +211,16 @@ def test_a_tenant_over_its_concurrency_limit_gets_429(tenant_server, http):
     assert http.post("/v1/completions", json=SMALL, headers=_tenant("limited")).status_code == 200
 
 
+def test_a_batch_of_prompts_counts_one_sequence_per_choice(http):
+    # Two prompts are two sequences: over the limited tenant's one, however small each is.
+    error = assert_openai_error(
+        http.post("/v1/completions", json={**SMALL, "prompt": ["a", "b"]}, headers=_tenant("limited")), 400, param="n")
+    assert "2 sequences" in error["message"]
+    assert http.post("/v1/completions", json={**SMALL, "prompt": ["a"]}, headers=_tenant("limited")).status_code == 200
+    body = http.post("/v1/completions", json={**SMALL, "prompt": ["a", "b"], "n": 2}, headers=_tenant("gold")).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+
+
 def _write_atomically(path, text: str) -> None:
     # As Kubernetes does: the new content appears in one step, under a new inode.
     scratch = path.with_suffix(".new")
