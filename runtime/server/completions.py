@@ -129,11 +129,13 @@ class CompletionFormat:
                                echoed: EchoedPrompt | None) -> list[dict[str, PromptLogprob] | None] | None:
         if entries is None or self.prompt_logprobs is None:
             return None
-        # Echo may have asked the engine for more alternatives than this field wants.
-        actual = echoed.token_ids if echoed is not None else [None] * len(entries)
+        # Echo may have asked the engine for more alternatives than this field wants; the prompt's
+        # own token always stays.
+        limit = None if echoed is None else self.prompt_logprobs
+        actual = [None] * len(entries) if echoed is None else echoed.token_ids
         return [None if entry is None else {
             str(token): PromptLogprob(logprob=logprob_value(lp), rank=lp.rank, decoded_token=lp.decoded_token or "")
-            for token, lp in entry.items() if lp.rank <= self.prompt_logprobs or token == actual_token
+            for token, lp in entry.items() if limit is None or lp.rank <= limit or token == actual_token
         } for entry, actual_token in zip(entries, actual)]
 
     def opening_chunks(self) -> list[CompletionResponse]:
