@@ -11,7 +11,7 @@ import pytest
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.engine.bad_words import bad_words_token_ids
 
-from server_harness import HTTP_TIMEOUT_S, assert_openai_error, sse_events
+from server_harness import HTTP_TIMEOUT_S, assert_openai_error, sse_events, wait_until
 
 PROMPTS = ["The quick brown fox", "A cache keeps", "In 1969"]
 TOKEN_PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12]]
@@ -60,6 +60,23 @@ def test_a_batch_of_token_id_prompts(http):
     singles = [http.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0] for p in TOKEN_PROMPTS]
     assert [(c["index"], c["text"]) for c in batch["choices"]] == [(i, c["text"]) for i, c in enumerate(singles)]
     assert batch["usage"]["prompt_tokens"] == sum(map(len, TOKEN_PROMPTS))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_whose_client_goes_away_is_aborted_whole(server, stream):
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
+    body = _body(prompt=PROMPTS, n=2, max_tokens=1500, stream=stream)
+    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(HTTP_TIMEOUT_S, read=1.0)) as client:
+        if stream:
+            # One chunk read, then the connection closes.
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                next(response.iter_bytes())
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/v1/completions", json=body)
+    wait_until(lambda: server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 6,
+               what="all six choices to be aborted")
+    wait_until(lambda: server.metric("vllm:num_requests_running") == 0, what="the engine to drop them")
 
 
 def test_a_batch_over_max_n_is_refused(http):
