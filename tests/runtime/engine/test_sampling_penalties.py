@@ -109,13 +109,16 @@ def test_penalties_match_vllms_formula_on_transformers_logits(setup):
     assert changed == set(CASES), f"cases that did not change greedy output: {set(CASES) - changed}"
 
 
-def test_penalty_counts_survive_preemption(tiny_llama_dir, setup):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_and_min_tokens_survive_preemption(tiny_llama_dir, setup, async_scheduling):
     _, oracle, vocab, eos = setup
     # 16 blocks of 16 for 6 sequences of up to ~84 tokens: recompute preemption must happen, and a
     # resumed request rebuilds its counts from the output it had.
-    llm = LLM(str(tiny_llama_dir), num_gpu_blocks_override=16)
+    llm = LLM(str(tiny_llama_dir), num_gpu_blocks_override=16, async_scheduling=async_scheduling)
     prompts = _prompts(vocab) * 2
-    params = [_greedy(repetition_penalty=1.5, frequency_penalty=1.0), _greedy(presence_penalty=1.5)] * 3
+    params = [_greedy(repetition_penalty=1.5, frequency_penalty=1.0), _greedy(presence_penalty=1.5),
+              SamplingParams(max_tokens=NEW_TOKENS, temperature=0, min_tokens=NEW_TOKENS - 2,
+                             logit_bias={eos: 100.0}, repetition_penalty=1.2)] * 2
     outputs = llm.generate(prompts, params)
     assert llm.get_stats().num_preemptions > 0
     for prompt, p, output in zip(prompts, params, outputs):
