@@ -26,7 +26,8 @@ from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_r
 async def create_completion(body: CompletionRequest, http_request: Request, serving: Serving) -> Response:
     serving.check_model(body.model)
     prompts = body.prompts
-    if len(prompts) * body.n > serving.limits.max_n:
+    # A lone prompt's n is checked with the other limits (param "n").
+    if len(prompts) > 1 and len(prompts) * body.n > serving.limits.max_n:
         raise bad_request(f"{len(prompts)} prompts with n={body.n} are {len(prompts) * body.n} choices, more than "
                           f"the {serving.limits.max_n} one request may have (--max-n)", "prompt")
     prompt_token_ids = [await _prompt_token_ids(prompt, serving) for prompt in prompts]
