@@ -144,7 +144,8 @@ class CompletionFormat:
 
     def text_only(self, output: StreamOutput) -> bool:
         echo_pending = self.echoed is not None and output.index not in self._echo_sent
-        return self.num_logprobs is None and output.prompt_logprobs is None and not output.finished and not echo_pending
+        return (self.num_logprobs is None and output.prompt_logprobs is None and not output.finished
+                and not echo_pending)
 
     def chunk(self, output: StreamOutput) -> CompletionResponse:
         first = output.index not in self._echo_sent
