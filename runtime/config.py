@@ -96,6 +96,9 @@ class ModelConfig:
     tokenizer: str | None = setting(
         None, "take the tokenizer and chat template from this folder or .gguf file (default: the model's own)",
         metavar="PATH")
+    enforce_eager: bool = setting(
+        False, "run every step eagerly: no CUDA graphs for decode steps, and no decode batches padded "
+        "to the captured sizes")
 
     path: str
     architecture: str

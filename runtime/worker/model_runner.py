@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvpilot.runtime.core.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from kvpilot.runtime.layers.attention import AttentionMetadata, get_attention_backend
+from kvpilot.runtime.layers.attention import get_attention_backend
 from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from kvpilot.runtime.models.loader import load_model
 from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
+from kvpilot.runtime.worker.cuda_graphs import DecodeGraphs, can_capture
 from kvpilot.runtime.worker.input_batch import InputBatch
 from kvpilot.runtime.worker.logits_state import LogitsState
+from kvpilot.runtime.worker.step_inputs import StepBuffers, StepInputs, decode_sizes
 
 
 class ModelRunner:
@@ -26,14 +26,22 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
-        self.model = load_model(config.model, get_attention_backend(config.model.attention_backend, device), device)
+        backend = get_attention_backend(config.model.attention_backend, device)
+        self.model = load_model(config.model, backend, device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
-        self.batch = InputBatch(
-            max_num_reqs=config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            max_blocks_per_req=-(-self.max_model_len // self.block_size),
-        )
+        sched = config.scheduler
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.batch = InputBatch(max_num_reqs=sched.max_num_seqs, max_model_len=self.max_model_len,
+                                max_blocks_per_req=max_blocks_per_req)
+        # Pure-decode steps are padded to these sizes unless eager (on a CPU too, so that the
+        # path graphs replay is the one the parity tests run).
+        self.decode_sizes = [] if config.model.enforce_eager else decode_sizes(sched.max_num_seqs)
+        self.buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
+                                   max_blocks_per_req, device)
+        self.capture_graphs = bool(self.decode_sizes) and can_capture(
+            device, backend.name, config.model.enforce_eager, config.parallel.tensor_parallel_size)
+        self.graphs: DecodeGraphs | None = None
         eos = config.model.eos_token_ids
         self.logits_state = LogitsState(config.model.vocab_size, eos[0] if eos else None, device)
 
@@ -67,6 +75,9 @@ class ModelRunner:
                 2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
                 dtype=self.config.model.torch_dtype, device=self.device,
             )
+        if self.capture_graphs:
+            # The graphs read the caches where they are now: capture after allocating them.
+            self.graphs = DecodeGraphs(self.model, self.buffers, self.decode_sizes, self.max_model_len)
 
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives in its caller's process."""
@@ -77,15 +88,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
 
-        step = _StepInputs.build(self.batch, scheduler_output.num_scheduled_tokens, self.block_size)
+        step = StepInputs.build(self.batch, scheduler_output.num_scheduled_tokens, self.block_size)
         # The scheduler advances its counts the same way and ships none for a plain decode.
         self.batch.num_computed_tokens[step.rows] = step.seq_lens
-        metadata = step.attention_metadata(self.device)
-        hidden = self.model(
-            _tensor(step.input_ids, self.device),
-            _tensor(step.positions, self.device),
-            metadata,
-        )
+        hidden = self._forward(step)
         prompt_logprobs = self._prompt_logprobs(step, hidden)
 
         # A request samples only once every token it has is computed; a partial prefill chunk does not.
@@ -112,6 +118,14 @@ class ModelRunner:
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The final hidden states of the step's tokens; padding rows, if any, are cut off."""
+        padded = step.decode_size(self.decode_sizes) if self.decode_sizes else None
+        graphed = padded is not None and self.graphs is not None
+        input_ids, positions, metadata = self.buffers.load(step, padded, full_block_tables=graphed)
+        hidden = self.graphs.replay(padded) if graphed else self.model(input_ids, positions, metadata)
+        return hidden[: step.num_tokens]
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -155,7 +169,7 @@ class ModelRunner:
         rows = [sample_row[req_id] for req_id in grammar.req_ids]
         return torch.tensor(rows, device=self.device), masks.to(self.device)
 
-    def _prompt_logprobs(self, step: "_StepInputs", hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Logprobs of each prompt token given the ones before it, for this step's chunk of the prompt."""
         chunks: dict[str, PromptLogprobsChunk] = {}
         for i, req_id in enumerate(step.req_ids):
@@ -189,62 +203,3 @@ def _row_logprobs(tensors, row: int, num: int) -> TokenLogprobs:
         logprobs=tensors.logprobs[row, : num + 1].tolist(),
         ranks=[rank, *range(1, num + 1)],
     )
-
-
-@dataclass(frozen=True)
-class _StepInputs:
-    """Flattened inputs of one step, in batch-row order, computed with vectorised host arrays.
-
-    Per request (in `req_ids` order): rows, starts, seq_lens, query_start_loc (one more entry).
-    Per scheduled token: positions, input_ids, slot_mapping.
-    """
-
-    req_ids: list[str]
-    rows: np.ndarray
-    # Tokens already in the KV cache before this step.
-    starts: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
-    positions: np.ndarray
-    input_ids: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    max_query_len: int
-
-    @classmethod
-    def build(cls, batch: InputBatch, num_scheduled: dict[str, int], block_size: int) -> "_StepInputs":
-        req_ids = [r for r in batch.req_ids if r is not None and r in num_scheduled]
-        rows = np.array([batch.row_of[r] for r in req_ids], dtype=np.int64)
-        counts = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
-        starts = batch.num_computed_tokens[rows]
-        seq_lens = starts + counts
-        query_start_loc = np.concatenate(([0], np.cumsum(counts)))
-
-        token_rows = np.repeat(rows, counts)
-        offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], counts)
-        positions = np.repeat(starts, counts) + offsets
-        block_ids = batch.block_table[token_rows, positions // block_size]
-        max_blocks = int(-(-seq_lens.max() // block_size))
-        return cls(
-            req_ids=req_ids, rows=rows, starts=starts, seq_lens=seq_lens, query_start_loc=query_start_loc,
-            positions=positions, input_ids=batch.token_ids[token_rows, positions],
-            slot_mapping=block_ids * block_size + positions % block_size,
-            block_tables=batch.block_table[rows, :max_blocks], max_query_len=int(counts.max()),
-        )
-
-    def attention_metadata(self, device: torch.device) -> AttentionMetadata:
-        decoding = np.diff(self.query_start_loc) == 1
-        decode_reqs = np.flatnonzero(decoding)
-        return AttentionMetadata(
-            slot_mapping=_tensor(self.slot_mapping, device),
-            query_start_loc=_tensor(self.query_start_loc, device),
-            seq_lens=_tensor(self.seq_lens, device),
-            block_tables=_tensor(self.block_tables, device),
-            max_query_len=self.max_query_len,
-            max_seq_len=int(self.seq_lens.max()),
-            query_start_loc_cpu=self.query_start_loc.tolist(),
-            seq_lens_cpu=self.seq_lens.tolist(),
-            decode_reqs=_tensor(decode_reqs, device),
-            decode_tokens=_tensor(self.query_start_loc[decode_reqs], device),
-            prefill_reqs=np.flatnonzero(~decoding).tolist(),
-        )

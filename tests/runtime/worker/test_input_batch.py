@@ -7,7 +7,7 @@ import numpy as np
 from kvpilot.runtime.core.sched.output import NewRequestData
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.worker.input_batch import InputBatch
-from kvpilot.runtime.worker.model_runner import _StepInputs
+from kvpilot.runtime.worker.step_inputs import StepInputs
 
 BLOCK_SIZE = 4
 
@@ -55,7 +55,7 @@ def test_step_inputs_flatten_positions_slots_and_block_tables():
     batch.add_request(_new("p", [10, 11, 12, 13, 14, 15], [7, 3]))
     # "d": 5 computed tokens plus one sampled, decoding position 5 (block 9, offset 1).
     batch.add_request(_new("d", [20, 21, 22, 23, 24, 25], [2, 9], computed=5))
-    step = _StepInputs.build(batch, {"p": 5, "d": 1}, BLOCK_SIZE)
+    step = StepInputs.build(batch, {"p": 5, "d": 1}, BLOCK_SIZE)
     assert step.req_ids == ["p", "d"]
     assert step.positions.tolist() == [0, 1, 2, 3, 4, 5]
     assert step.input_ids.tolist() == [10, 11, 12, 13, 14, 25]
