@@ -1,24 +1,36 @@
 """Offline throughput: kvpilot's LLM against Hugging Face transformers, side by side in one process.
 
-Two comparisons, each a ratio of wall-clock times measured here, one after the other:
-1. decode-heavy batch: kvpilot `LLM.generate` vs transformers batched greedy `generate`
-   (left-padded, KV cache on), same prompts, same number of new tokens;
-2. shared-prefix prefill: kvpilot with prefix caching on vs off.
+For each model (default: the 4-layer, hidden-256 bench model, then SmolLM2-135M-Instruct, the
+embedded default; `--model DIR` runs that one only):
+1. kvpilot `LLM.generate` vs transformers batched greedy `generate` (left-padded, KV cache on),
+   same checkpoint, float32, same prompts, same number of new tokens;
+2. kvpilot's decode step (every request decoding) vs the GEMM-only work of the same shapes: the
+   model's own weight matrices multiplied by activations of that batch, nothing else;
+3. prefix caching on at 0 % hits vs off, on the same unique prompts;
+4. a shared-prefix prefill, prefix caching on vs off.
 
-    .venv/bin/python bench/offline_throughput.py [--model DIR]
+Every side warms up on prompts it is not timed on; the prefix cache is reset before every timed
+run; repetitions of the sides are interleaved, and min and median are reported.
+
+    .venv/bin/python bench/offline_throughput.py [--model DIR] [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from kvpilot.runtime.request import Request
 from kvpilot.runtime.tiny_model import make_tiny_model
 
 
@@ -26,6 +38,13 @@ def _timed(fn):
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
+
+
+def _hf_model(model: str):
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
 def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> int:
@@ -39,55 +58,140 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) 
     return (out.shape[1] - width) * len(prompts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prefix-len", type=int, default=512, help="shared prefix of the prefix-caching workload")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    torch.manual_seed(args.seed)
-    model_dir = args.model or str(make_tiny_model(
-        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=2048))
+def _random_prompts(rng: random.Random, count: int, vocab: int, longest: int) -> list[list[int]]:
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(min(32, longest), longest))] for _ in range(count)]
 
-    rng = random.Random(args.seed)
-    llm = LLM(model_dir)
-    vocab = llm.config.model.vocab_size
-    longest = min(256, llm.config.scheduler.max_model_len - args.new_tokens)
-    prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(min(32, longest), longest))]
-               for _ in range(args.num_prompts)]
+
+def _min_median(samples: list[float]) -> tuple[float, float]:
+    return min(samples), statistics.median(samples)
+
+
+def _interleaved(sides: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds per run of each side, the sides taking turns."""
+    seconds = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, run in sides.items():
+            seconds[name].append(_timed(run)[1])
+    return seconds
+
+
+def _kvpilot_run(llm: LLM, prompts, params):
+    def run():
+        llm.reset_prefix_cache()
+        return llm.generate(prompts, params)
+    return run
+
+
+def _decode_vs_gemm(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], list[float]]:
+    """Seconds per engine step with every prompt decoding, and per GEMM-only pass of that batch."""
+    engine = llm.engine
+    llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"decode-{i}", ids, params, eos_token_id=None,
+                                   max_model_len=llm.config.scheduler.max_model_len))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    engine.step()  # the first step with every request decoding
+
+    model = engine.executor.model
+    linears = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    lm_head = next(m.weight for m in model.modules() if isinstance(m, ParallelLMHead))
+    inputs = [torch.randn(len(prompts), w.shape[1], dtype=w.dtype) for w in [*linears, lm_head]]
+
+    @torch.inference_mode()
+    def gemm_only():
+        for x, w in zip(inputs, [*linears, lm_head]):
+            F.linear(x, w)
+
+    timings = _interleaved({"step": engine.step, "gemm": gemm_only}, steps)
+    engine.abort_requests([f"decode-{i}" for i in range(len(prompts))])
+    return timings["step"], timings["gemm"]
+
+
+def _bench_model(model_dir: str, args, rng: random.Random) -> list[str]:
+    kv_on = LLM(model_dir, enable_prefix_caching=True)
+    kv_off = LLM(model_dir, enable_prefix_caching=False)
+    config = kv_on.config
+    name = f"{Path(model_dir).name} ({config.model.num_hidden_layers} layers, hidden {config.model.hidden_size})"
+    vocab = config.model.vocab_size
+    longest = min(256, config.scheduler.max_model_len - args.new_tokens)
+    prompts = _random_prompts(rng, args.num_prompts, vocab, longest)
+    warmup = _random_prompts(rng, args.num_prompts, vocab, longest)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    hf = _hf_model(model_dir)
 
-    llm.generate(prompts[:2], params)  # warm-up
-    outputs, kv_seconds = _timed(lambda: llm.generate(prompts, params))
-    kv_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for llm in (kv_on, kv_off):
+        llm.generate(warmup, params)
+    _hf_generate(hf, warmup, args.new_tokens, pad_id=2)
+    seconds = _interleaved({
+        "on": _kvpilot_run(kv_on, prompts, params),
+        "off": _kvpilot_run(kv_off, prompts, params),
+        "hf": lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id=2),
+    }, args.repeats)
+    del hf
+    tokens = args.num_prompts * args.new_tokens
+    (on_min, on_med), (off_min, off_med), (hf_min, hf_med) = (_min_median(seconds[k]) for k in ("on", "off", "hf"))
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    _hf_generate(hf, prompts[:2], 4, pad_id=2)  # warm-up
-    hf_tokens, hf_seconds = _timed(lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id=2))
+    step, gemm = _decode_vs_gemm(kv_on, prompts, args.decode_steps)
+    (step_min, step_med), (gemm_min, gemm_med) = _min_median(step), _min_median(gemm)
 
-    prefix = [rng.randrange(5, vocab) for _ in range(args.prefix_len)]
+    prefix = [rng.randrange(5, vocab) for _ in range(min(args.prefix_len, longest))]
     shared = [prefix + [rng.randrange(5, vocab) for _ in range(16)] for _ in range(args.num_prompts)]
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    timings = {}
-    for caching in (False, True):
-        engine = LLM(model_dir, enable_prefix_caching=caching)
-        engine.generate(shared[:1], short)  # warm-up, and for caching=True the prefix is now cached
-        _, timings[caching] = _timed(lambda: engine.generate(shared, short))
+    shared_seconds = _interleaved({"on": _kvpilot_run(kv_on, shared, short),
+                                   "off": _kvpilot_run(kv_off, shared, short)}, args.repeats)
+    (sh_on_min, sh_on_med), (sh_off_min, sh_off_med) = (_min_median(shared_seconds[k]) for k in ("on", "off"))
+    for llm in (kv_on, kv_off):
+        llm.engine.shutdown()
 
-    print(f"model: {model_dir} ({llm.config.model.num_hidden_layers} layers, hidden {llm.config.model.hidden_size})")
-    print(f"torch threads: {torch.get_num_threads()}")
+    batch = f"{args.num_prompts} prompts x {args.new_tokens} new tokens"
+    return [
+        f"| {name}: {batch} (greedy), tok/s min / median run | {tokens / on_min:.0f} / "
+        f"{tokens / on_med:.0f} | transformers generate: {tokens / hf_min:.0f} / {tokens / hf_med:.0f} | "
+        f"{hf_min / on_min:.2f}x / {hf_med / on_med:.2f}x |",
+        f"| {name}: decode step, {args.num_prompts} running, ms min / median | {step_min * 1e3:.2f} / "
+        f"{step_med * 1e3:.2f} | GEMM-only, same shapes: {gemm_min * 1e3:.2f} / {gemm_med * 1e3:.2f} | "
+        f"{gemm_min / step_min:.2f}x / {gemm_med / step_med:.2f}x |",
+        f"| {name}: {batch}, prefix caching on at 0 % hits, s min / median | {on_min:.3f} / {on_med:.3f} | "
+        f"off: {off_min:.3f} / {off_med:.3f} | {off_min / on_min:.3f}x / {off_med / on_med:.3f}x |",
+        f"| {name}: {args.num_prompts} prompts sharing a {len(prefix)}-token prefix, 4 new tokens, s min / median | "
+        f"on: {sh_on_min:.3f} / {sh_on_med:.3f} | off: {sh_off_min:.3f} / {sh_off_med:.3f} | "
+        f"{sh_off_min / sh_on_min:.2f}x / {sh_off_med / sh_on_med:.2f}x |",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder or .gguf file (default: the bench model, then SmolLM2-135M)")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=192, help="shared prefix of the prefix-caching workload")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each side, interleaved")
+    parser.add_argument("--decode-steps", type=int, default=10, help="timed decode steps (and GEMM-only passes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    if args.model:
+        models = [args.model]
+    else:
+        # Imported here: only the default run fetches the real model.
+        from kvpilot.runtime.models.default_model import ensure_default_model
+
+        bench_model = make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256,
+                                      num_heads=8, num_kv_heads=2, vocab_size=2048)
+        models = [str(bench_model), str(ensure_default_model())]
+
+    print(f"torch threads: {torch.get_num_threads()}; float32; {args.repeats} interleaved runs per side")
     print()
-    print("| workload | kvpilot | baseline | speed-up |")
+    print("| workload | kvpilot | baseline | ratio (min / median) |")
     print("|---|---|---|---|")
-    print(f"| {args.num_prompts} prompts x {args.new_tokens} new tokens (greedy) | "
-          f"{kv_tokens / kv_seconds:.0f} tok/s | transformers generate: {hf_tokens / hf_seconds:.0f} tok/s | "
-          f"{(kv_tokens / kv_seconds) / (hf_tokens / hf_seconds):.2f}x |")
-    print(f"| {args.num_prompts} prompts sharing a {args.prefix_len}-token prefix, 4 new tokens | "
-          f"prefix caching on: {timings[True]:.2f} s | off: {timings[False]:.2f} s | "
-          f"{timings[False] / timings[True]:.2f}x |")
+    for model in models:
+        for row in _bench_model(model, args, rng):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

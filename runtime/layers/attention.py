@@ -72,6 +72,8 @@ class _QueryGroup:
 
     num_reqs: int
     num_queries: int
+    # The padded order is the step's own token order (every token, no padding): no reordering.
+    in_order: bool
     # Rows of q in padded order, [num_reqs * num_queries].
     query_rows: torch.Tensor
     # The group's real tokens (rows of q) and where each sits in the padded order.
@@ -104,8 +106,9 @@ def _plan_groups(metadata: AttentionMetadata, block_size: int, group_size: int) 
         # rows of one matrix, so SDPA never repeats K/V per query head.
         row_positions = (seq_lens - lens)[:, None] + np.arange(num_queries * group_size)[None, :] // group_size
         mask = np.arange(pages_per_req * block_size)[None, None, :] <= row_positions[:, :, None]
+        in_order = bool(real.all()) and len(members) == len(query_lens)
         groups.append(_QueryGroup(
-            num_reqs=len(members), num_queries=num_queries,
+            num_reqs=len(members), num_queries=num_queries, in_order=in_order,
             query_rows=_to(query_rows.ravel(), device), tokens=_to(query_rows[real], device),
             padded_positions=_to(padded[real], device),
             pages=_to(metadata.block_tables_cpu[members, :pages_per_req].ravel(), device),
@@ -135,8 +138,11 @@ class TorchPagedAttention:
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan_groups(metadata, key_cache.shape[1], num_heads // num_kv_heads)
 
+        groups = metadata.backend_plan
+        if len(groups) == 1 and groups[0].in_order:
+            return _attend_group(q, key_cache, value_cache, groups[0], scale)
         out = torch.empty_like(q)
-        for group in metadata.backend_plan:
+        for group in groups:
             attended = _attend_group(q, key_cache, value_cache, group, scale)
             out.index_copy_(0, group.tokens, attended.index_select(0, group.padded_positions))
         return out
@@ -148,7 +154,8 @@ def _attend_group(q, key_cache, value_cache, group: _QueryGroup, scale: float) -
     _, heads, head_dim = q.shape
     kv_heads = key_cache.shape[2]
     # [reqs, queries, kv_heads, group, dim] -> [reqs, kv_heads, queries * group, dim]
-    queries = q.index_select(0, group.query_rows).view(num_reqs, num_queries, kv_heads, heads // kv_heads, head_dim)
+    queries = q if group.in_order else q.index_select(0, group.query_rows)
+    queries = queries.reshape(num_reqs, num_queries, kv_heads, heads // kv_heads, head_dim)
     queries = queries.transpose(1, 2).reshape(num_reqs, kv_heads, -1, head_dim)
     keys = key_cache.index_select(0, group.pages).view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
     values = value_cache.index_select(0, group.pages).view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)

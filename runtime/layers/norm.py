@@ -9,6 +9,7 @@ over memory for the add and the norm where the Triton kernel runs).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -39,7 +40,6 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # The reference order: normalise in float32, round to the input dtype, then scale.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)

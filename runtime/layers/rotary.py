@@ -41,6 +41,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
         self._triton = None
+        # The torch path's tables for the last positions seen: every layer of one step passes the
+        # same positions tensor, so they are gathered once per step (a new step is a new tensor).
+        self._positions: torch.Tensor | None = None
+        self._angles: tuple[torch.Tensor, torch.Tensor] | None = None
         if use_triton:
             # Imported here: torch-only engines load no Triton.
             from kvpilot.kernels.rotary import rotary_embedding
@@ -57,11 +61,17 @@ class RotaryEmbedding(nn.Module):
             half = q.shape[-1] // 2
             self._triton(positions, q, k, self.cos[:, :half], self.sin[:, :half])
             return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if positions is not self._positions or self._angles[0].dtype != q.dtype:
+            half = q.shape[-1] // 2
+            # [T, 1 (heads), 1 (halves), half]: the same angles rotate both halves of every head.
+            self._angles = tuple(table[positions, None, None, :half].to(q.dtype) for table in (self.cos, self.sin))
+            self._positions = positions
+        cos, sin = self._angles
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the halves of each head as one axis."""
+    halves = x.unflatten(-1, (2, -1))
+    rotated = torch.stack((-halves[..., 1, :], halves[..., 0, :]), dim=-2)
+    return (halves * cos + rotated * sin).flatten(-2)
