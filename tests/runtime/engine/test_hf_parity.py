@@ -11,6 +11,7 @@ import torch
 
 from hf_oracle import NEW_TOKENS, HFOracle, random_prompts
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.worker.step_inputs import StepBuffers
 
 PROMPT_LENGTHS = [1, 3, 17, 40, 64, 99, 150, 200]
 SHARED_PREFIX_LEN = 100
@@ -39,6 +40,7 @@ ENGINE_CONFIGS = {
     "chunked_prefill_16": {"max_num_batched_tokens": 16},
     "block_size_4": {"block_size": 4},
     "long_prefill_threshold": {"long_prefill_token_threshold": 24, "max_num_seqs": 3},
+    "enforce_eager": {"enforce_eager": True},
 }
 
 
@@ -48,6 +50,25 @@ def test_greedy_matches_transformers(checkpoint, config_name):
     llm = LLM(model_dir, **ENGINE_CONFIGS[config_name])
     prompts = random_prompts(PROMPT_LENGTHS, llm.config.model.vocab_size, seed=1)
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_padded_decode_steps_match_transformers(checkpoint, monkeypatch, enforce_eager):
+    """Five requests decode as a batch of eight (three padding requests) unless eager."""
+    model_dir, oracle = checkpoint
+    loads = []
+    original = StepBuffers.load
+
+    def spy(self, step, padded_reqs=None, full_block_tables=False):
+        loads.append((len(step.req_ids), padded_reqs))
+        return original(self, step, padded_reqs, full_block_tables)
+
+    monkeypatch.setattr(StepBuffers, "load", spy)
+    llm = LLM(model_dir, enforce_eager=enforce_eager)
+    prompts = random_prompts([1, 17, 64, 150, 200], llm.config.model.vocab_size, seed=3)
+    _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
+    assert ((5, 8) in loads) != enforce_eager
+    assert all(padded is None for _, padded in loads) == enforce_eager
 
 
 def test_greedy_matches_under_preemption(checkpoint):
