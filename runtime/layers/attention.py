@@ -8,6 +8,7 @@ slot is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -130,6 +131,12 @@ class TorchPagedAttention:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # The gathered pages land in buffers kept across layers and steps: a fresh tensor of a few
+        # MB per layer comes as fresh pages from the OS, which measured as much CPU time as the
+        # attention itself.
+        self._workspace: dict[str, torch.Tensor] = {}
+
     def forward(self, q, k, v, kv_cache, metadata, scale):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         key_cache.view(-1, *k.shape[1:]).index_copy_(0, metadata.slot_mapping, k)
@@ -140,28 +147,36 @@ class TorchPagedAttention:
 
         groups = metadata.backend_plan
         if len(groups) == 1 and groups[0].in_order:
-            return _attend_group(q, key_cache, value_cache, groups[0], scale)
+            return self._attend_group(q, key_cache, value_cache, groups[0], scale)
         out = torch.empty_like(q)
         for group in groups:
-            attended = _attend_group(q, key_cache, value_cache, group, scale)
+            attended = self._attend_group(q, key_cache, value_cache, group, scale)
             out.index_copy_(0, group.tokens, attended.index_select(0, group.padded_positions))
         return out
 
+    def _attend_group(self, q, key_cache, value_cache, group: _QueryGroup, scale: float) -> torch.Tensor:
+        """Returns the group's padded queries attended, [num_reqs * num_queries, heads, head_dim]."""
+        num_reqs, num_queries = group.num_reqs, group.num_queries
+        _, heads, head_dim = q.shape
+        kv_heads = key_cache.shape[2]
+        # [reqs, queries, kv_heads, group, dim] -> [reqs, kv_heads, queries * group, dim]
+        queries = q if group.in_order else q.index_select(0, group.query_rows)
+        queries = queries.reshape(num_reqs, num_queries, kv_heads, heads // kv_heads, head_dim)
+        queries = queries.transpose(1, 2).reshape(num_reqs, kv_heads, -1, head_dim)
+        keys, values = (self._gather(cache, group.pages, name).view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
+                        for name, cache in (("keys", key_cache), ("values", value_cache)))
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale)
+        out = out.view(num_reqs, kv_heads, num_queries, heads // kv_heads, head_dim).transpose(1, 2)
+        return out.reshape(num_reqs * num_queries, heads, head_dim)
 
-def _attend_group(q, key_cache, value_cache, group: _QueryGroup, scale: float) -> torch.Tensor:
-    """Returns the group's padded queries attended, [num_reqs * num_queries, heads, head_dim]."""
-    num_reqs, num_queries = group.num_reqs, group.num_queries
-    _, heads, head_dim = q.shape
-    kv_heads = key_cache.shape[2]
-    # [reqs, queries, kv_heads, group, dim] -> [reqs, kv_heads, queries * group, dim]
-    queries = q if group.in_order else q.index_select(0, group.query_rows)
-    queries = queries.reshape(num_reqs, num_queries, kv_heads, heads // kv_heads, head_dim)
-    queries = queries.transpose(1, 2).reshape(num_reqs, kv_heads, -1, head_dim)
-    keys = key_cache.index_select(0, group.pages).view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
-    values = value_cache.index_select(0, group.pages).view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale)
-    out = out.view(num_reqs, kv_heads, num_queries, heads // kv_heads, head_dim).transpose(1, 2)
-    return out.reshape(num_reqs * num_queries, heads, head_dim)
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, name: str) -> torch.Tensor:
+        """cache[pages], written into this backend's buffer for `name` (grown when too small)."""
+        shape = (pages.shape[0], *cache.shape[1:])
+        numel = math.prod(shape)
+        buffer = self._workspace.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = self._workspace[name] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        return torch.index_select(cache, 0, pages, out=buffer[:numel].view(shape))
 
 
 class TritonPagedAttention:

@@ -1,0 +1,203 @@
+"""Paged attention on a CPU: the torch backend against the other ways of computing it, side by side.
+
+One layer of the bench model's shapes (8 query heads, 2 KV heads, head_dim 32, blocks of 16):
+a decode step of `--num-reqs` requests with contexts of 96..320 tokens, and a step of prefill
+chunks (64 new tokens each after 0..192 cached). Each option writes nothing and reads the same
+cache; all are checked against the kept backend before timing. Runs are interleaved, min and
+median of `--repeats` runs of `--calls` calls each are reported.
+
+    .venv/bin/python bench/attention_options.py [--num-reqs 48] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvpilot.runtime.core.sched.output import NewRequestData
+from kvpilot.runtime.layers.attention import TorchPagedAttention
+from kvpilot.runtime.request import SamplingParams
+from kvpilot.runtime.worker.input_batch import InputBatch
+from kvpilot.runtime.worker.step_inputs import StepBuffers, StepInputs
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 32, 16
+
+
+def _step(rng: np.random.Generator, num_reqs: int, cached: tuple[int, int], new_tokens: int):
+    """A step of `num_reqs` requests with `cached` (low, high) tokens in the cache, `new_tokens` each."""
+    context = rng.integers(*cached, size=num_reqs)
+    max_len = int(context.max()) + new_tokens
+    max_blocks = -(-max_len // BLOCK_SIZE)
+    batch = InputBatch(num_reqs, max_len, max_blocks)
+    pages = rng.permutation(num_reqs * max_blocks) + 1
+    for i, cached_tokens in enumerate(context):
+        total = int(cached_tokens) + new_tokens
+        batch.add_request(NewRequestData(
+            req_id=str(i), token_ids=[1] * total, num_prompt_tokens=total, sampling_params=SamplingParams(),
+            block_ids=pages[i * max_blocks : i * max_blocks + -(-total // BLOCK_SIZE)].tolist(),
+            num_computed_tokens=int(cached_tokens)))
+    step = StepInputs.build(batch, {str(i): new_tokens for i in range(num_reqs)}, BLOCK_SIZE)
+    buffers = StepBuffers(step.num_tokens, num_reqs, max_blocks, torch.device("cpu"))
+    _, _, metadata = buffers.load(step)
+    cache = torch.randn(2, num_reqs * max_blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    q = torch.randn(step.num_tokens, HEADS, HEAD_DIM)
+    return q, cache, metadata
+
+
+_KEPT = TorchPagedAttention()
+
+
+def kept(q, cache, metadata, scale):
+    metadata.backend_plan = None  # plan once per call, as once per step
+    return _KEPT.forward(q, torch.empty(0, KV_HEADS, HEAD_DIM), torch.empty(0, KV_HEADS, HEAD_DIM),
+                                         cache, _no_writes(metadata), scale)
+
+
+def _no_writes(metadata):
+    metadata.slot_mapping = metadata.slot_mapping[:0]
+    return metadata
+
+
+def _padded_context(cache, metadata, gather):
+    keys, values = gather(cache[0], metadata.block_tables), gather(cache[1], metadata.block_tables)
+    num_reqs = metadata.block_tables.shape[0]
+    return keys.view(num_reqs, -1, KV_HEADS, HEAD_DIM), values.view(num_reqs, -1, KV_HEADS, HEAD_DIM)
+
+
+def _advanced_index(table, block_tables):
+    return table[block_tables]
+
+
+def _index_select(table, block_tables):
+    return table.index_select(0, block_tables.flatten())
+
+
+def _decode_mask(metadata, num_keys):
+    return torch.arange(num_keys)[None, :] < metadata.seq_lens[:, None]
+
+
+def advanced_index_sdpa_gqa(q, cache, metadata, scale):
+    """The backend before: `key_cache[block_tables]`, SDPA repeating K/V per query head."""
+    keys, values = _padded_context(cache, metadata, _advanced_index)
+    mask = _decode_mask(metadata, keys.shape[1])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def index_select_sdpa_gqa(q, cache, metadata, scale):
+    keys, values = _padded_context(cache, metadata, _index_select)
+    mask = _decode_mask(metadata, keys.shape[1])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def index_select_matmul(q, cache, metadata, scale):
+    """Scores, masked softmax and the weighted sum as explicit batched matmuls (grouped queries)."""
+    keys, values = _padded_context(cache, metadata, _index_select)
+    num_reqs = keys.shape[0]
+    grouped = q.view(num_reqs, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)) * scale
+    scores.masked_fill_(~_decode_mask(metadata, keys.shape[1])[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).view(num_reqs, HEADS, HEAD_DIM)
+
+
+def blockwise_online_softmax(q, cache, metadata, scale):
+    """One block-table column at a time, merging partial softmaxes (no padded context at all)."""
+    num_reqs = q.shape[0]
+    grouped = q.view(num_reqs, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+    running_max = torch.full((num_reqs, KV_HEADS, HEADS // KV_HEADS, 1), float("-inf"))
+    running_sum = torch.zeros_like(running_max)
+    acc = torch.zeros_like(grouped)
+    positions = torch.arange(BLOCK_SIZE)
+    for column in range(metadata.block_tables.shape[1]):
+        pages = metadata.block_tables[:, column]
+        keys = cache[0].index_select(0, pages).permute(0, 2, 3, 1)  # [reqs, kv_heads, dim, block]
+        values = cache[1].index_select(0, pages).transpose(1, 2)    # [reqs, kv_heads, block, dim]
+        scores = torch.matmul(grouped, keys) * scale
+        visible = (column * BLOCK_SIZE + positions)[None, :] < metadata.seq_lens[:, None]
+        scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
+        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+        weights = torch.exp(scores - shift)
+        correction = torch.exp(running_max - shift)
+        running_sum = running_sum * correction + weights.sum(-1, keepdim=True)
+        acc = acc * correction + torch.matmul(weights, values)
+        running_max = new_max
+    return (acc / running_sum).view(num_reqs, HEADS, HEAD_DIM)
+
+
+def per_request_loop(q, cache, metadata, scale):
+    """The backend before, for prefill chunks: one causal SDPA call per request."""
+    out = torch.empty_like(q)
+    starts, seq_lens = metadata.query_start_loc_cpu.tolist(), metadata.seq_lens_cpu.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], starts[i + 1]
+        pages = metadata.block_tables[i, : -(-seq_len // BLOCK_SIZE)]
+        keys = cache[0][pages].flatten(0, 1)[:seq_len]
+        values = cache[1][pages].flatten(0, 1)[:seq_len]
+        query_pos = torch.arange(seq_len - (end - start), seq_len)
+        mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+def _time(options: dict, args_of, repeats: int, calls: int) -> dict[str, list[float]]:
+    seconds = {name: [] for name in options}
+    for _ in range(repeats):
+        for name, fn in options.items():
+            start = time.process_time()
+            for _ in range(calls):
+                fn(*args_of)
+            seconds[name].append((time.process_time() - start) / calls)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-reqs", type=int, default=48, help="decoding requests")
+    parser.add_argument("--num-prefills", type=int, default=8, help="prefill chunks of 64 tokens")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    scale = HEAD_DIM**-0.5
+    workloads = {
+        f"decode, {args.num_reqs} requests, contexts 96..320": (
+            _step(rng, args.num_reqs, (95, 319), 1),
+            {"advanced index + SDPA (GQA repeat)": advanced_index_sdpa_gqa,
+             "index_select + SDPA (GQA repeat)": index_select_sdpa_gqa,
+             "index_select + matmul/softmax/matmul": index_select_matmul,
+             "block-wise online softmax": blockwise_online_softmax}),
+        f"prefill, {args.num_prefills} chunks of 64 after 0..192 cached": (
+            _step(rng, args.num_prefills, (0, 192), 64), {"one SDPA call per request (before)": per_request_loop}),
+    }
+    print(f"torch threads: {torch.get_num_threads()}; CPU ms per layer call, min / median of {args.repeats} runs")
+    print()
+    print("| workload | kept: index_select pages + grouped-query SDPA, batched | option | kept vs option |")
+    print("|---|---|---|---|")
+    for workload, ((q, cache, metadata), options) in workloads.items():
+        expected = kept(q, cache, metadata, scale)
+        for fn in options.values():
+            torch.testing.assert_close(fn(q, cache, metadata, scale), expected, rtol=1e-4, atol=1e-4)
+        seconds = _time({"kept": kept, **options}, (q, cache, metadata, scale), args.repeats, args.calls)
+        ours = min(seconds["kept"]), statistics.median(seconds["kept"])
+        for name in options:
+            theirs = min(seconds[name]), statistics.median(seconds[name])
+            print(f"| {workload} | {ours[0] * 1e3:.3f} / {ours[1] * 1e3:.3f} | {name}: "
+                  f"{theirs[0] * 1e3:.3f} / {theirs[1] * 1e3:.3f} | "
+                  f"{theirs[0] / ours[0]:.2f}x / {theirs[1] / ours[1]:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
