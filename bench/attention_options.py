@@ -4,7 +4,9 @@ One layer of the bench model's shapes (8 query heads, 2 KV heads, head_dim 32, b
 a decode step of `--num-reqs` requests with contexts of 96..320 tokens, and a step of prefill
 chunks (64 new tokens each after 0..192 cached). Each option writes nothing and reads the same
 cache; all are checked against the kept backend before timing. Runs are interleaved, min and
-median of `--repeats` runs of `--calls` calls each are reported.
+median of `--repeats` runs of `--calls` calls each are reported in CPU time of this process
+(steadier than the wall clock on a shared machine; the work done, with one thread). The kept
+backend plans its step in every call here (in the engine: once per step, for every layer).
 
     .venv/bin/python bench/attention_options.py [--num-reqs 48] [--threads 1]
 """

@@ -27,6 +27,7 @@ def can_capture(device: torch.device, backend_name: str, enforce_eager: bool, te
 
 
 class DecodeGraphs:
+    @torch.inference_mode()
     def __init__(self, model: nn.Module, buffers: StepBuffers, sizes: list[int], max_model_len: int) -> None:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

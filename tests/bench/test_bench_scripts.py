@@ -19,6 +19,7 @@ TINY_ARGS = {
                                    "--window", "2", "--repetitions", "1", "--settings", "64:0,32:0"],
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
     "kernels.py": ["--tiny"],
+    "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
     # Calibration and the real server both run; the accuracy needs the full run (BENCHMARKS.md).
     "sim_validation.py": ["--short"],
@@ -37,7 +38,7 @@ TINY_ARGS = {
     "serving_sweep.py": ["--concurrencies", "1,2", "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
                          "--threads", "1"],
 }
-MODEL_FREE = {"kernels.py", "scheduler_overhead.py"}
+MODEL_FREE = {"kernels.py", "scheduler_overhead.py", "attention_options.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
 # temporary folder, so that it never overwrites the committed results.
 WRITES_REPORT = {"concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py", "serving_sweep.py"}
