@@ -83,21 +83,21 @@ def _decode_mask(metadata, num_keys):
     return torch.arange(num_keys)[None, :] < metadata.seq_lens[:, None]
 
 
-def advanced_index_sdpa_gqa(q, cache, metadata, scale):
-    """The backend before: `key_cache[block_tables]`, SDPA repeating K/V per query head."""
-    keys, values = _padded_context(cache, metadata, _advanced_index)
+def _sdpa_gqa(q, cache, metadata, scale, gather):
+    keys, values = _padded_context(cache, metadata, gather)
     mask = _decode_mask(metadata, keys.shape[1])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+def advanced_index_sdpa_gqa(q, cache, metadata, scale):
+    """The backend before: `key_cache[block_tables]`, SDPA repeating K/V per query head."""
+    return _sdpa_gqa(q, cache, metadata, scale, _advanced_index)
 
 
 def index_select_sdpa_gqa(q, cache, metadata, scale):
-    keys, values = _padded_context(cache, metadata, _index_select)
-    mask = _decode_mask(metadata, keys.shape[1])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    return _sdpa_gqa(q, cache, metadata, scale, _index_select)
 
 
 def index_select_matmul(q, cache, metadata, scale):
