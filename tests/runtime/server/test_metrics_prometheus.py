@@ -99,9 +99,14 @@ def test_the_prometheus_source_follows_one_engines_load(prometheus, loaded_serve
                 busy = await until(source, lambda r: LOADED in r.samples and r.samples[LOADED].num_waiting > 1
                                    and r.samples[LOADED].kv_cache_usage > 0, "the loaded engine's queue and KV usage")
                 assert busy.samples[LOADED].num_running > 0
-                assert busy.samples[IDLE] == samples.PodSample(IDLE, 0, 0, 0, busy.samples[IDLE].observed_at)
+                # The idle pod is the session's shared server: its finished counter holds what other
+                # tests sent it, and must not move while only the loaded pod gets requests.
+                idle = busy.samples[IDLE]
+                assert idle == samples.PodSample(IDLE, 0, 0, 0, idle.observed_at, first.samples[IDLE].num_finished)
+                assert idle.num_finished is not None
 
-            await until(source, both_idle, "the loaded engine back to 0")
+            calm = await until(source, both_idle, "the loaded engine back to 0")
+            assert calm.samples[LOADED].num_finished > (first.samples[LOADED].num_finished or 0)
 
         # A pod that Prometheus does not scrape is missing, by name.
         async with aiohttp.ClientSession() as session:

@@ -23,7 +23,7 @@ def _output(index: int, text: str, **fields) -> StreamOutput:
 
 
 FORMATS = {
-    "completions": lambda: CompletionFormat("cmpl-0123", "tiny", with_logprobs=False),
+    "completions": lambda: CompletionFormat("cmpl-0123", "tiny", num_logprobs=None),
     "chat": lambda: ChatFormat("chatcmpl-0123", "tiny", n=3, top_logprobs=None),
 }
 
@@ -40,11 +40,11 @@ def test_template_events_equal_pydantic_renderings(name):
 
 
 def test_what_is_not_text_only():
-    completions = CompletionFormat("cmpl-0123", "tiny", with_logprobs=False)
+    completions = CompletionFormat("cmpl-0123", "tiny", num_logprobs=None)
     assert not completions.text_only(_output(0, "x", finish_reason="length"))
     assert not completions.text_only(_output(0, "x", prompt_logprobs=[None]))
     logprobs = [{7: Logprob(-0.5, 1, "x")}]
-    assert not CompletionFormat("cmpl-0123", "tiny", with_logprobs=True).text_only(_output(0, "x", logprobs=logprobs))
+    assert not CompletionFormat("cmpl-0123", "tiny", num_logprobs=1).text_only(_output(0, "x", logprobs=logprobs))
     chat = ChatFormat("chatcmpl-0123", "tiny", n=1, top_logprobs=None)
     # An empty delta is `{}`, not `{"content": ""}`.
     assert not chat.text_only(_output(0, ""))
@@ -53,7 +53,7 @@ def test_what_is_not_text_only():
 
 
 def test_sse_event_is_pydantics_json():
-    chunk = CompletionFormat("cmpl-0123", "tiny", with_logprobs=False).chunk(_output(0, "é\n"))
+    chunk = CompletionFormat("cmpl-0123", "tiny", num_logprobs=None).chunk(_output(0, "é\n"))
     assert sse_event(chunk) == f"data: {chunk.model_dump_json()}\n\n".encode()
 
 
