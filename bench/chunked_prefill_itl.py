@@ -9,7 +9,7 @@ arrives. Reported: the streams' inter-token latency (median, p99, max) and the l
 time to first token. Rounds alternate between the servers, every round draws prompts of its
 own, and prefix caching is off on both, so no round reuses another's KV.
 
-    .venv/bin/python bench/chunked_prefill_itl.py [--model DIR] [--output-dir DIR] [--thresholds 0,256]
+    .venv/bin/python bench/chunked_prefill_itl.py [--model DIR] [--output-dir DIR] [--thresholds 0,512]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ async def _round(base_url: str, streams: list[BenchRequest], long: BenchRequest)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
-    parser.add_argument("--thresholds", type=lambda s: [int(t) for t in s.split(",")], default=[0, 256],
+    parser.add_argument("--thresholds", type=lambda s: [int(t) for t in s.split(",")], default=[0, 512],
                         help="--long-prefill-token-threshold of each server (0: the whole prompt in one step)")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     parser.add_argument("--num-streams", type=positive_int, default=16)
