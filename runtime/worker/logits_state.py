@@ -70,6 +70,9 @@ class LogitsState:
     def adjustments(self, req_ids: list[str], output_tokens) -> LogitsAdjustments | None:
         """The adjustments for one step's sampled rows (`req_ids`, in row order).
 
+        Each part returns at once while no request in the batch uses it, so a batch without any
+        costs four empty-dict checks per step, not a scan of its rows.
+
         `output_tokens(i)` is row i's output so far (a host array), needed for bad words and min_tokens.
         """
         result = LogitsAdjustments(
@@ -95,6 +98,8 @@ class LogitsState:
     # -- one step -----------------------------------------------------------------------------------
 
     def _disallowed(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.disallowed:
+            return None
         rows = [i for i, r in enumerate(req_ids) if r in self.disallowed]
         if not rows:
             return None
@@ -123,6 +128,8 @@ class LogitsState:
         return torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device)
 
     def _logit_bias(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not self.logit_bias:
+            return None
         entries = [(i, token, bias) for i, r in enumerate(req_ids) for token, bias in self.logit_bias.get(r, {}).items()]
         if not entries:
             return None
@@ -131,6 +138,8 @@ class LogitsState:
                 torch.tensor(biases, dtype=torch.float32, device=self.device))
 
     def _penalties(self, req_ids: list[str]) -> Penalties | None:
+        if not self.penalised:
+            return None
         rows = [i for i, r in enumerate(req_ids) if r in self.penalised]
         if not rows:
             return None
