@@ -3,9 +3,13 @@
 A pure-scheduler loop, no model: N requests decode together (prompts of 100 tokens, block size 16,
 prefix caching on, stop token ids set, no EOS in sight), and a fake runner samples one token for
 every request whose tokens are all computed. Only `schedule()` and `update_from_output()` are
-timed; the figure is their cost divided by running requests and steps. The baseline is another
-revision's runtime (default: the commit before the bookkeeping work), taken out of git into a
-temporary folder; each side runs in its own subprocess and the repetitions interleave.
+timed, wall clock and CPU time; the figure is their cost divided by running requests and steps.
+Apart, the CPU time of encoding each step's outputs as the engine process's output thread does.
+Each side runs as its engine process would: where the tree's engine freezes its start-up heap out
+of the cyclic GC, the bench does too once the block pool exists, before any request is added.
+The baseline is another revision's runtime (default: the commit before the bookkeeping work),
+taken out of git into a temporary folder; each side runs in its own subprocess per repeat and the
+repetitions interleave, each side first every other time.
 
     .venv/bin/python bench/scheduler_overhead.py [--baseline REV] [--running 64 256 1024]
 """
@@ -24,6 +28,8 @@ import time
 from io import BytesIO
 from pathlib import Path
 
+import msgspec
+
 REPO = Path(__file__).resolve().parents[1]
 # main before issue 11's scheduler work: the issue's 4.7 us @256 and 6.8 us @1024 were measured on it.
 DEFAULT_BASELINE = "bb345a35f0a2baf7bf102cca2128ac2b1264cbb2"
@@ -31,12 +37,24 @@ PROMPT_LEN = 100
 BLOCK_SIZE = 16
 
 
-def measure(num_running: int, num_steps: int) -> float:
-    """Seconds of scheduler work per running request per decode step (run inside a side's process)."""
+def _freeze_like_the_engine() -> str:
+    """Freeze the start-up heap where the side's engine process does, and say whether it did."""
+    try:
+        from kvpilot.runtime.engine.core_process import freeze_startup_heap
+    except ImportError:
+        return "no"
+    freeze_startup_heap()
+    return "yes"
+
+
+def measure(num_running: int, num_steps: int) -> dict[str, float | str]:
+    """Seconds of scheduler work per running request per decode step, wall clock and CPU time
+    (run inside a side's process)."""
     from kvpilot.runtime.config import SchedulerConfig
     from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
     from kvpilot.runtime.core.sched.output import ModelRunnerOutput
     from kvpilot.runtime.core.sched.scheduler import Scheduler
+    from kvpilot.runtime.engine.messages import EngineCoreOutputs
     from kvpilot.runtime.request import Request, SamplingParams
 
     max_len = PROMPT_LEN + num_steps + 64
@@ -49,6 +67,10 @@ def measure(num_running: int, num_steps: int) -> float:
         prompt = [5 + (i * 7919 + j * 31) % 30000 for j in range(PROMPT_LEN)]
         scheduler.add_request(Request(f"req-{i}", prompt, params, eos_token_id=2, arrival_time=float(i),
                                       max_model_len=max_len))
+
+    # The engine process builds its block pool at start-up, then (on trees that do) freezes it
+    # out of the cyclic GC before any request arrives.
+    frozen = _freeze_like_the_engine()
 
     # The runner's view of each row: [tokens it holds, tokens computed]. Shared by both revisions'
     # SchedulerOutputs, which agree on new requests, counts and removed rows.
@@ -75,18 +97,29 @@ def measure(num_running: int, num_steps: int) -> float:
     while scheduler.num_waiting or any(row[1] < row[0] - 1 for row in rows.values()) or not rows:
         out = scheduler.schedule()
         scheduler.update_from_output(out, run(out))
-    spent = 0.0
+    wall = cpu = encode_cpu = 0.0
+    encoder = msgspec.msgpack.Encoder()
+    # The outputs live until the next step's are ready, as they do in the engine (the output
+    # thread holds them while it encodes them).
+    outputs = None
     for _ in range(num_steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         out = scheduler.schedule()
-        spent += time.perf_counter() - start
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
         runner_output = run(out)
-        start = time.perf_counter()
-        scheduler.update_from_output(out, runner_output)
-        spent += time.perf_counter() - start
-        if len(out.num_scheduled_tokens) != num_running:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        outputs = scheduler.update_from_output(out, runner_output)
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+        if len(out.num_scheduled_tokens) != num_running or len(outputs) != num_running:
             raise RuntimeError(f"expected {num_running} running requests, {len(out.num_scheduled_tokens)} ran")
-    return spent / (num_steps * num_running)
+        # The engine process's output thread: the step's outputs as one message for the socket.
+        start_cpu = time.process_time()
+        encoder.encode(EngineCoreOutputs(outputs=outputs))
+        encode_cpu += time.process_time() - start_cpu
+    per = num_steps * num_running
+    return {"wall": wall / per, "cpu": cpu / per, "encode_cpu": encode_cpu / per, "frozen": frozen}
 
 
 def _baseline_tree(rev: str, folder: Path) -> Path:
@@ -100,7 +133,7 @@ def _baseline_tree(rev: str, folder: Path) -> Path:
     return folder
 
 
-def _run_side(pythonpath: Path | None, running: list[int], steps: int) -> dict[int, float]:
+def _run_side(pythonpath: Path | None, running: list[int], steps: int) -> dict[int, dict]:
     env = dict(os.environ)
     if pythonpath is not None:
         # Ahead of the editable install, so the baseline's kvpilot.runtime wins.
@@ -132,28 +165,42 @@ def main() -> None:
         baseline = _baseline_tree(args.baseline, Path(tmp))
         _check_side(baseline, baseline)
         _check_side(None, REPO)
-        runs: dict[str, list[dict[int, float]]] = {"this tree": [], "baseline": []}
-        for _ in range(args.repeats):
-            runs["baseline"].append(_run_side(baseline, args.running, args.steps))
-            runs["this tree"].append(_run_side(None, args.running, args.steps))
+        sides = {"this tree": None, "baseline": baseline}
+        runs: dict[str, list[dict[int, dict]]] = {side: [] for side in sides}
+        for repeat in range(args.repeats):
+            # Each side goes first every other repeat, so neither always runs on a warmer machine.
+            for side in (sides if repeat % 2 else reversed(sides)):
+                runs[side].append(_run_side(sides[side], args.running, args.steps))
 
-    def us(side: str, n: int, pick) -> float:
-        return pick([run[n] for run in runs[side]]) * 1e6
+    def us(side: str, n: int, clock: str, pick) -> float:
+        return pick([run[n][clock] for run in runs[side]]) * 1e6
 
+    median = statistics.median
+    frozen = {side: runs[side][0][args.running[0]]["frozen"] for side in runs}
     print(f"baseline: {args.baseline}; {args.steps} decode steps, {args.repeats} interleaved repeats, "
-          f"block size {BLOCK_SIZE}, prompts of {PROMPT_LEN} tokens, prefix caching on; one process per side")
+          f"block size {BLOCK_SIZE}, prompts of {PROMPT_LEN} tokens, prefix caching on; one process per side "
+          f"per repeat; start-up heap frozen out of the GC: this tree {frozen['this tree']}, "
+          f"baseline {frozen['baseline']}; load average {os.getloadavg()[0]:.1f} at the end")
     print()
     print("| workload | this tree (min / median) | baseline (min / median) | speed-up (median) |")
     print("|---|---|---|---|")
+    for clock, name in (("cpu", "CPU time"), ("wall", "wall clock")):
+        for n in args.running:
+            mine, base = us("this tree", n, clock, median), us("baseline", n, clock, median)
+            print(f"| {n} running, us per request per step, {name} | {us('this tree', n, clock, min):.2f} / "
+                  f"{mine:.2f} | {us('baseline', n, clock, min):.2f} / {base:.2f} | {base / mine:.2f}x |")
     for n in args.running:
-        print(f"| {n} running, us per request per step | {us('this tree', n, min):.2f} / "
-              f"{us('this tree', n, statistics.median):.2f} | {us('baseline', n, min):.2f} / "
-              f"{us('baseline', n, statistics.median):.2f} | "
-              f"{us('baseline', n, statistics.median) / us('this tree', n, statistics.median):.2f}x |")
+        mine, base = us("this tree", n, "encode_cpu", median), us("baseline", n, "encode_cpu", median)
+        print(f"| {n} running, us per request per step to encode the step's outputs (output thread), CPU time | "
+              f"{us('this tree', n, 'encode_cpu', min):.2f} / {mine:.2f} | "
+              f"{us('baseline', n, 'encode_cpu', min):.2f} / {base:.2f} | {base / mine:.2f}x |")
     low, high = min(args.running), max(args.running)
-    for side in runs:
-        print(f"| {side}: cost at {high} / cost at {low} running (median) | | | "
-              f"{us(side, high, statistics.median) / us(side, low, statistics.median):.2f}x |")
+    for clock, name in (("cpu", "CPU time"), ("wall", "wall clock")):
+        print(f"| cost at {high} / cost at {low} running, {name} (min; median) | "
+              f"{us('this tree', high, clock, min) / us('this tree', low, clock, min):.2f}x; "
+              f"{us('this tree', high, clock, median) / us('this tree', low, clock, median):.2f}x | "
+              f"{us('baseline', high, clock, min) / us('baseline', low, clock, min):.2f}x; "
+              f"{us('baseline', high, clock, median) / us('baseline', low, clock, median):.2f}x | |")
 
 
 if __name__ == "__main__":

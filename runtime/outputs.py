@@ -33,8 +33,12 @@ class Logprob:
     decoded_token: str | None = None
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request.
+
+    One per running request per step, so it stays out of the cyclic GC (gc=False): it holds
+    lists and Structs of numbers, which can never lead back to it.
+    """
 
     request_id: str
     new_token_ids: list[int]

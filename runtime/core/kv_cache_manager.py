@@ -18,6 +18,10 @@ class KVCacheManager:
         # How many leading blocks of each request are already in the hash map (or were skipped
         # as duplicates), so each step hashes only the blocks that became full since.
         self.num_cached_blocks: dict[str, int] = {}
+        # Per request, the most tokens (computed plus new) its blocks hold with no block left to
+        # allocate or hash: up to there `allocate_slots` has nothing to do, so the scheduler may skip
+        # the call. Kept in step with the two maps above.
+        self.num_tokens_without_allocation: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -60,14 +64,11 @@ class KVCacheManager:
         Returns the newly allocated blocks, or None, with nothing changed, when they do not fit.
         """
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        req_blocks = self.req_to_blocks.get(request.request_id)
         # The common step of a running request: its tokens still fit the blocks it holds, and no
         # block has become full since it was last published, so there is nothing to allocate or hash.
-        if (req_blocks is not None and not new_computed_blocks
-                and num_tokens <= len(req_blocks) * self.block_size
-                and (not self.enable_caching
-                     or num_tokens // self.block_size <= self.num_cached_blocks[request.request_id])):
+        if not new_computed_blocks and num_tokens <= self.num_tokens_without_allocation.get(request.request_id, -1):
             return []
+        req_blocks = self.req_to_blocks.get(request.request_id)
         new_computed_blocks = new_computed_blocks or []
         if req_blocks is None:
             req_blocks = []
@@ -91,8 +92,12 @@ class KVCacheManager:
         if request.num_computed_tokens == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
+        capacity = len(req_blocks) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_tokens)
+            # One token short of filling the first block not published yet.
+            capacity = min(capacity, (self.num_cached_blocks[request.request_id] + 1) * self.block_size - 1)
+        self.num_tokens_without_allocation[request.request_id] = capacity
         return new_blocks
 
     def _cache_full_blocks(
@@ -113,6 +118,7 @@ class KVCacheManager:
         if blocks is None:
             return
         del self.num_cached_blocks[request.request_id]
+        del self.num_tokens_without_allocation[request.request_id]
         # Blocks are published when scheduled. A request preempted in the step that scheduled
         # them never computed them: past its computed prefix, nothing may stay findable.
         for block in blocks[request.num_computed_tokens // self.block_size:]:

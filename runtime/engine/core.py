@@ -194,8 +194,10 @@ class EngineCore:
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        for output in outputs:
-            output.queue_time = self._queue_times.pop(output.request_id, None)
+        # Only steps after an admission have queue times to hand out: the rest skip the scan.
+        if self._queue_times:
+            for output in outputs:
+                output.queue_time = self._queue_times.pop(output.request_id, None)
         return outputs
 
     def _note_queue_times(self, scheduler_output) -> None:

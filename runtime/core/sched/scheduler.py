@@ -80,8 +80,12 @@ class Scheduler:
         cached_reqs: dict[str, CachedRequestData] = {}
         preempted: list[str] = []
         allocate_slots = self.kv_cache_manager.allocate_slots
+        without_allocation = self.kv_cache_manager.num_tokens_without_allocation
+        threshold = self.config.long_prefill_token_threshold
         running_status = RequestStatus.RUNNING
 
+        # Runs for every running request every step: _chunk and the fast path of allocate_slots
+        # are inlined.
         for request in list(self.running.values()):
             if budget == 0:
                 break
@@ -94,7 +98,16 @@ class Scheduler:
             if placeholders and (request.structured_output_request is not None
                                  or len(request.output_token_ids) + placeholders >= request.max_tokens):
                 continue
-            num_new = self._chunk(request, budget)
+            req_id = request.request_id
+            num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if request.num_computed_tokens + num_new <= without_allocation.get(req_id, -1):
+                num_scheduled[req_id] = num_new
+                budget -= num_new
+                continue
             while (blocks := allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -106,9 +119,9 @@ class Scheduler:
                     break
             if blocks is None:
                 continue
-            num_scheduled[request.request_id] = num_new
+            num_scheduled[req_id] = num_new
             if blocks:
-                cached_reqs[request.request_id] = CachedRequestData(request.request_id, [b.block_id for b in blocks])
+                cached_reqs[req_id] = CachedRequestData(req_id, [b.block_id for b in blocks])
             budget -= num_new
 
         new_reqs = [] if preempted else self._admit_waiting(budget, num_scheduled)
@@ -128,7 +141,7 @@ class Scheduler:
         for req_id, num_new in num_scheduled.items():
             request = requests[req_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1
         return output
 
@@ -204,9 +217,13 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         mro = model_runner_output
         requests = self.requests
+        all_sampled = mro.sampled_token_ids
+        all_logprobs = mro.logprobs
         all_prompt_logprobs = mro.prompt_logprobs
+        # This loop runs for every request every step: Request.append_output_token_id and the
+        # no-stop-possible case of _check_stop are inlined.
         for index, req_id in enumerate(mro.req_ids):
-            sampled = mro.sampled_token_ids[index]
+            sampled = all_sampled[index]
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             # A prefill chunk that samples nothing changes nothing here.
             if not sampled and prompt_logprobs is None:
@@ -217,34 +234,41 @@ class Scheduler:
                 continue
             # The runner's list is ours now: it is the output unless a stop cuts it short.
             new_token_ids = sampled
+            finish_reason = None
             grammar = request.structured_output_request
+            output_token_ids = request.output_token_ids
             for i, token_id in enumerate(sampled):
                 request.num_output_placeholders -= 1
-                # Request.append_output_token_id, inlined: this loop runs for every token.
-                request.output_token_ids.append(token_id)
+                output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
                 if grammar is not None:
                     grammar.accept(token_id)
-                if self._check_stop(request, token_id):
-                    new_token_ids = sampled[: i + 1]
-                    break
-                if grammar is not None and grammar.is_finished:
+                # Only a stopping token or the last token allowed can stop the request.
+                if ((token_id in request.stopping_token_ids or len(output_token_ids) >= request.max_tokens)
+                        and self._check_stop(request, token_id)):
+                    pass
+                elif grammar is not None and grammar.is_finished:
                     request.status = RequestStatus.FINISHED_STOPPED
-                    new_token_ids = sampled[: i + 1]
-                    break
-            logprobs = mro.logprobs[index]
+                else:
+                    continue
+                finish_reason = request.status.finish_reason
+                new_token_ids = sampled[: i + 1]
+                break
+            logprobs = all_logprobs[index]
+            if logprobs is not None and len(logprobs) != len(new_token_ids):
+                logprobs = logprobs[: len(new_token_ids)]
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
+                    new_logprobs=logprobs,
                     new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.status.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
-            if request.status.is_finished:
+            if finish_reason is not None:
                 # A request preempted while this step ran waits to resume, and can finish there.
                 if self.running.pop(req_id, None) is None:
                     self.waiting.remove_request(request)

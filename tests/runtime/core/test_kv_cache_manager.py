@@ -386,3 +386,24 @@ def test_blocks_scheduled_but_never_computed_do_not_stay_in_the_cache() -> None:
     manager.free(finished)
     blocks, hit = manager.get_computed_blocks(Request("after", list(range(10)), SamplingParams(max_tokens=4)))
     assert hit == 8 and len(blocks) == 2
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_up_to_its_token_count_without_allocation_allocate_slots_has_nothing_to_do(enable_caching) -> None:
+    # The scheduler skips allocate_slots up to this count, so past it there must be work (a block
+    # to allocate or one to hash) and up to it none: checked against a manager that never skips.
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_caching=enable_caching)
+    a = make_request("a", list(range(6)))
+    admit(manager, a)
+    for token in range(6, 30):
+        a.append_output_token_id(token)
+        limit = manager.num_tokens_without_allocation["a"]
+        blocks_before = manager.get_block_ids("a")
+        cached_before = manager.num_cached_blocks["a"]
+        new_blocks = manager.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        changed = manager.get_block_ids("a") != blocks_before or manager.num_cached_blocks["a"] != cached_before
+        assert changed == (a.num_computed_tokens > limit), (token, limit)
+        assert new_blocks == [] or a.num_computed_tokens > limit
+    manager.free(a)
+    assert "a" not in manager.num_tokens_without_allocation
