@@ -4,7 +4,8 @@ A pure-scheduler loop, no model: N requests decode together (prompts of 100 toke
 prefix caching on, stop token ids set, no EOS in sight), and a fake runner samples one token for
 every request whose tokens are all computed. Only `schedule()` and `update_from_output()` are
 timed, wall clock and CPU time; the figure is their cost divided by running requests and steps.
-Apart, the CPU time of encoding each step's outputs as the engine process's output thread does.
+Apart, the CPU time of encoding each step's outputs and dropping them, the engine process's
+output thread's work.
 Each side runs as its engine process would: where the tree's engine freezes its start-up heap out
 of the cyclic GC, the bench does too once the block pool exists, before any request is added.
 The baseline is another revision's runtime (default: the commit before the bookkeeping work),
@@ -99,9 +100,6 @@ def measure(num_running: int, num_steps: int) -> dict[str, float | str]:
         scheduler.update_from_output(out, run(out))
     wall = cpu = encode_cpu = 0.0
     encoder = msgspec.msgpack.Encoder()
-    # The outputs live until the next step's are ready, as they do in the engine (the output
-    # thread holds them while it encodes them).
-    outputs = None
     for _ in range(num_steps):
         start, start_cpu = time.perf_counter(), time.process_time()
         out = scheduler.schedule()
@@ -114,9 +112,11 @@ def measure(num_running: int, num_steps: int) -> dict[str, float | str]:
         cpu += time.process_time() - start_cpu
         if len(out.num_scheduled_tokens) != num_running or len(outputs) != num_running:
             raise RuntimeError(f"expected {num_running} running requests, {len(out.num_scheduled_tokens)} ran")
-        # The engine process's output thread: the step's outputs as one message for the socket.
+        # The engine process's output thread: the step's outputs as one message for the socket,
+        # then dropped (their deallocation is that thread's work too, while the model runs).
         start_cpu = time.process_time()
         encoder.encode(EngineCoreOutputs(outputs=outputs))
+        del outputs
         encode_cpu += time.process_time() - start_cpu
     per = num_steps * num_running
     return {"wall": wall / per, "cpu": cpu / per, "encode_cpu": encode_cpu / per, "frozen": frozen}
@@ -191,7 +191,7 @@ def main() -> None:
                   f"{mine:.2f} | {us('baseline', n, clock, min):.2f} / {base:.2f} | {base / mine:.2f}x |")
     for n in args.running:
         mine, base = us("this tree", n, "encode_cpu", median), us("baseline", n, "encode_cpu", median)
-        print(f"| {n} running, us per request per step to encode the step's outputs (output thread), CPU time | "
+        print(f"| {n} running, us per request per step to encode and drop the step's outputs (output thread), CPU time | "
               f"{us('this tree', n, 'encode_cpu', min):.2f} / {mine:.2f} | "
               f"{us('baseline', n, 'encode_cpu', min):.2f} / {base:.2f} | {base / mine:.2f}x |")
     low, high = min(args.running), max(args.running)
