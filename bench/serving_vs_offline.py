@@ -10,21 +10,31 @@ EngineCore process over HTTP), and their ratio: what HTTP / offline is where CPU
 figure that a machine shared with other work disturbs less than wall-clock throughput.
 
 The client is a bare asyncio HTTP/1.1 reader that only looks for the usage chunk and `[DONE]`, so
-that on a small machine it takes as little CPU from the server as a client can.
+that on a small machine it takes as little CPU from the server as a client can; its own CPU time
+per token is reported too (it shares the machine's cores with both servers' processes).
 
-    .venv/bin/python bench/serving_vs_offline.py [--model DIR] [--num-streams 64] [--max-tokens 64]
+`--baseline REV` serves a second HTTP side from another revision of this repository (its runtime/
+and kernels/, extracted with git archive, first on the server's PYTHONPATH), interleaved with this
+tree's in every repetition: the API server's CPU per token of both, side by side under the same
+load. `--threads 1,2` runs the whole comparison once per torch thread count (both engines).
+
+    .venv/bin/python bench/serving_vs_offline.py [--baseline main] [--threads 1,2] [--model DIR]
+        [--num-streams 64] [--max-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import torch
@@ -85,10 +95,10 @@ def _child_cpu_seconds(parent: int, marker: bytes) -> tuple[int, float]:
     raise RuntimeError(f"process {parent} has no child running {marker!r}")
 
 
-def _server_cpu_seconds() -> tuple[float, float]:
-    """CPU seconds so far of the `kvpilot serve` process this script started (the API server) and
-    of its EngineCore process."""
-    api_pid, api = _child_cpu_seconds(os.getpid(), b"kvpilot.runtime.cli")
+def _server_cpu_seconds(base_url: str) -> tuple[float, float]:
+    """CPU seconds so far of the `kvpilot serve` process this script started on `base_url`'s port
+    (the API server) and of its EngineCore process."""
+    api_pid, api = _child_cpu_seconds(os.getpid(), b"\0--port\0%d\0" % urlsplit(base_url).port)
     _, engine = _child_cpu_seconds(api_pid, b"spawn_main")
     return api, engine
 
@@ -102,6 +112,96 @@ def _offline(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[int, 
     return tokens, time.perf_counter() - start, time.process_time() - cpu
 
 
+@dataclass
+class HTTPSide:
+    """One server's repetitions: tokens/s, and CPU seconds per generated token of its API server,
+    its EngineCore and this script's client."""
+
+    name: str
+    base_url: str
+    rates: list[float] = field(default_factory=list)
+    api_cpu: list[float] = field(default_factory=list)
+    engine_cpu: list[float] = field(default_factory=list)
+    client_cpu: list[float] = field(default_factory=list)
+
+    def run(self, prompts: list[list[int]], max_tokens: int, expected_tokens: int) -> None:
+        api_before, engine_before = _server_cpu_seconds(self.base_url)
+        client_before = time.process_time()
+        tokens, seconds = asyncio.run(_serve_all(self.base_url, prompts, max_tokens))
+        client = time.process_time() - client_before
+        api_after, engine_after = _server_cpu_seconds(self.base_url)
+        if tokens != expected_tokens:
+            raise SystemExit(f"{self.name}: HTTP generated {tokens} tokens, offline {expected_tokens}")
+        self.rates.append(tokens / seconds)
+        self.api_cpu.append((api_after - api_before) / tokens)
+        self.engine_cpu.append((engine_after - engine_before) / tokens)
+        self.client_cpu.append(client / tokens)
+
+
+def _source_tree(revision: str) -> str:
+    """A folder to put first on PYTHONPATH so that `kvpilot.runtime` (and `kvpilot.kernels`) import
+    from `revision` of this repository: its files, extracted with git archive."""
+    root = tempfile.mkdtemp(prefix="kvpilot-baseline-")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", revision, "runtime", "kernels"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    # The repository maps runtime/ to kvpilot.runtime (pyproject.toml): the same map, as folders.
+    os.makedirs(os.path.join(root, "kvpilot"))
+    for name in ("runtime", "kernels"):
+        os.symlink(os.path.join(root, name), os.path.join(root, "kvpilot", name))
+    return root
+
+
+def _us(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e6:.0f}"
+
+
+def _rates(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} tok/s (min {min(values):.0f})"
+
+
+def _measure(args, model_dir: str, threads: int, baseline_tree: str | None, rng: random.Random) -> None:
+    torch.set_num_threads(threads)
+    llm = LLM(model_dir)
+    vocab = llm.config.model.vocab_size
+
+    def new_prompts() -> list[list[int]]:
+        return [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_streams)]
+
+    offline_rates, offline_cpu = [], []
+    flags = ["--served-model-name", "bench", *args.serve_flag]
+    # The server's engine process sets no thread count of its own: OMP_NUM_THREADS sets torch's default.
+    env = {"OMP_NUM_THREADS": str(threads)}
+    with contextlib.ExitStack() as servers:
+        sides = [HTTPSide("this tree", servers.enter_context(local_server(model_dir, *flags, env=env)))]
+        if baseline_tree is not None:
+            pythonpath = os.pathsep.join(filter(None, [baseline_tree, os.environ.get("PYTHONPATH")]))
+            sides.append(HTTPSide(f"baseline {args.baseline}", servers.enter_context(
+                local_server(model_dir, *flags, env={**env, "PYTHONPATH": pythonpath}))))
+        warm = new_prompts()[:2]
+        _offline(llm, warm, 4)
+        for side in sides:
+            _server_cpu_seconds(side.base_url)  # fails now, not after a timed run, if the processes are not found
+            asyncio.run(_serve_all(side.base_url, warm, 4))
+        for repetition in range(args.repetitions):
+            prompts = new_prompts()
+            tokens, seconds, cpu = _offline(llm, prompts, args.max_tokens)
+            offline_rates.append(tokens / seconds)
+            offline_cpu.append(cpu / tokens)
+            # Alternate which server goes first, so that neither always follows the offline run.
+            for side in sides[::-1] if repetition % 2 else sides:
+                side.run(prompts, args.max_tokens, tokens)
+    workload = f"{args.num_streams} streams x {args.prompt_len}-token prompts x {args.max_tokens} tokens, greedy"
+    for side in sides:
+        ratio = statistics.median(side.rates) / statistics.median(offline_rates)
+        # What HTTP / offline would be where CPU time is the limit: the same work costs this much more.
+        cpu_ratio = statistics.median(offline_cpu) / (statistics.median(side.api_cpu) + statistics.median(side.engine_cpu))
+        print(f"| {workload}, {threads} torch thread(s) | {side.name} | {_rates(side.rates)} | {_rates(offline_rates)} | "
+              f"{ratio:.2f}x | {_us(offline_cpu)} us; {_us(side.api_cpu)} + {_us(side.engine_cpu)} us | "
+              f"{_us(side.client_cpu)} us | {cpu_ratio:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
@@ -109,63 +209,29 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads of both engines (default: torch's own default here)")
+    parser.add_argument("--threads", default="1,2",
+                        help="torch threads of both engines, a comma-separated list: each is its own run")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="a git revision of this repository whose API server and engine serve a second "
+                             "HTTP side, interleaved with this tree's (e.g. main)")
     parser.add_argument("--serve-flag", action="append", default=[],
                         help="an extra `kvpilot serve` flag for the HTTP side only (repeatable), e.g. --serve-flag=--stream-interval=4")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     model_dir = args.model or str(make_tiny_model(
         tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=2048))
-    llm = LLM(model_dir)
-    vocab = llm.config.model.vocab_size
-    rng = random.Random(0)
-
-    def new_prompts() -> list[list[int]]:
-        return [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_streams)]
-
-    offline_rates, http_rates = [], []
-    # CPU seconds per generated token: offline; the HTTP side's API server and EngineCore processes.
-    offline_cpu, api_cpu, engine_cpu = [], [], []
-    flags = ["--served-model-name", "bench", *args.serve_flag]
-    # The server's engine process sets no thread count of its own: torch's default, as printed.
-    with local_server(model_dir, *flags, env={"OMP_NUM_THREADS": str(args.threads)}) as base_url:
-        warm = new_prompts()[:2]
-        _server_cpu_seconds()  # fails now, not after the first timed run, if the processes are not found
-        _offline(llm, warm, 4)
-        asyncio.run(_serve_all(base_url, warm, 4))
-        for _ in range(args.repetitions):
-            prompts = new_prompts()
-            tokens, seconds, cpu = _offline(llm, prompts, args.max_tokens)
-            offline_rates.append(tokens / seconds)
-            offline_cpu.append(cpu / tokens)
-            api_before, engine_before = _server_cpu_seconds()
-            http_tokens, seconds = asyncio.run(_serve_all(base_url, prompts, args.max_tokens))
-            api_after, engine_after = _server_cpu_seconds()
-            api_cpu.append((api_after - api_before) / http_tokens)
-            engine_cpu.append((engine_after - engine_before) / http_tokens)
-            if http_tokens != tokens:
-                raise SystemExit(f"HTTP generated {http_tokens} tokens, offline {tokens}")
-            http_rates.append(http_tokens / seconds)
-
-    def rates(values: list[float]) -> str:
-        return f"{statistics.median(values):.0f} tok/s (min {min(values):.0f})"
-
-    ratio = statistics.median(http_rates) / statistics.median(offline_rates)
-    median_us = {name: statistics.median(values) * 1e6 for name, values in
-                 (("offline", offline_cpu), ("api", api_cpu), ("engine", engine_cpu))}
-    # What HTTP / offline would be where CPU time is the limit: the same work costs this much more.
-    cpu_ratio = median_us["offline"] / (median_us["api"] + median_us["engine"])
-    print(f"model: {model_dir}; torch threads: {args.threads}; {args.repetitions} interleaved repetitions; "
-          f"serve flags: {' '.join(args.serve_flag) or 'none'}")
+    baseline_tree = None if args.baseline is None else _source_tree(args.baseline)
+    load = os.getloadavg()
+    print(f"model: {model_dir}; {args.repetitions} interleaved repetitions; serve flags: "
+          f"{' '.join(args.serve_flag) or 'none'}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+          f"on {os.cpu_count()} CPUs")
     print()
-    print("| workload | HTTP (median) | offline LLM (median) | HTTP / offline | CPU per token: offline; HTTP API "
-          "server + EngineCore | HTTP / offline by CPU |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {args.num_streams} streams x {args.prompt_len}-token prompts x {args.max_tokens} tokens, greedy | "
-          f"{rates(http_rates)} | {rates(offline_rates)} | {ratio:.2f}x | {median_us['offline']:.0f} us; "
-          f"{median_us['api']:.0f} + {median_us['engine']:.0f} us | {cpu_ratio:.2f}x |")
+    print("| workload | server | HTTP (median) | offline LLM (median) | HTTP / offline | CPU per token: offline; "
+          "HTTP API server + EngineCore | bench client CPU per token | HTTP / offline by CPU |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = random.Random(0)
+    for threads in map(int, args.threads.split(",")):
+        _measure(args, model_dir, threads, baseline_tree, rng)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ event loop; this class ties a request's queue to its choices and aborts what a c
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 from typing import AsyncIterator, Callable
 
@@ -24,24 +25,42 @@ class SlowConsumerError(RuntimeError):
     """A request's consumer left more outputs unread than its buffer holds; the request was aborted."""
 
 
-class BoundedOutputQueue(asyncio.Queue):
-    """A request's deltas, at most `limit` unread: past it, `on_overflow` runs once, the consumer
-    is left a SlowConsumerError after what it has not read, and later deltas are dropped."""
+class OutputBuffer:
+    """A request's deltas not read yet, at most `limit` of them (None: no bound): past it,
+    `on_overflow` runs once, the consumer is left a SlowConsumerError after what it has not read,
+    and later deltas are dropped.
 
-    def __init__(self, limit: int, on_overflow: Callable[[], None]) -> None:
-        super().__init__()
+    Not an asyncio.Queue: a delta put while the consumer waits wakes it with one future, and the
+    deltas that arrive while it is busy are taken without any (a consumer behind by several
+    engine steps reads them all in one task step).
+    """
+
+    def __init__(self, limit: int | None = None, on_overflow: Callable[[], None] = lambda: None) -> None:
         self.limit = limit
         self.on_overflow = on_overflow
         self.overflowed = False
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
 
     def put_nowait(self, item) -> None:
         if self.overflowed:
             return
-        if self.qsize() >= self.limit and not isinstance(item, BaseException):
+        if self.limit is not None and len(self._items) >= self.limit and not isinstance(item, BaseException):
             self.overflowed = True
             self.on_overflow()
             item = SlowConsumerError(f"the client left more than {self.limit} outputs unread: aborted")
-        super().put_nowait(item)
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 class AsyncLLM:
@@ -129,12 +148,11 @@ class AsyncLLM:
         ]
         engine_ids = [request.request_id for request in requests]
         unfinished = set(engine_ids)
-        sink: asyncio.Queue = asyncio.Queue()
-        if max_buffered_outputs is not None:
-            def overflowed() -> None:
-                # Deferred: the output processor is in the middle of delivering this step.
-                asyncio.get_running_loop().call_soon(self._abort, list(unfinished), False)
-            sink = BoundedOutputQueue(max_buffered_outputs, overflowed)
+
+        def overflowed() -> None:
+            # Deferred: the output processor is in the middle of delivering this step.
+            asyncio.get_running_loop().call_soon(self._abort, list(unfinished), False)
+        sink = OutputBuffer(max_buffered_outputs, overflowed)
         self.engine_core.add_requests(requests)
         # Outputs reach the loop only between awaits, so none can arrive before this.
         for index, request in enumerate(requests):

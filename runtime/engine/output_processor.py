@@ -21,7 +21,7 @@ from kvpilot.runtime.outputs import EngineCoreOutput, Logprob, TokenLogprobs
 from kvpilot.runtime.request import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamOutput:
     """What one request (one choice, when n > 1) gained since the previous StreamOutput."""
 

@@ -1,5 +1,6 @@
 """uvicorn's HTTP/1.1 protocol with the guards it lacks: a deadline for a new connection's
-request head, a cap on open connections, and a bounded kernel send buffer per connection.
+request head, a cap on open connections, and a bounded kernel send buffer per connection; and
+the fast path for a stream's body chunks (body_writer.py).
 
 uvicorn closes a keep-alive connection that stays idle after a response (--timeout-keep-alive,
 which also covers a later request head that never completes), but waits forever for the first
@@ -16,6 +17,8 @@ import logging
 import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvpilot.runtime.server.body_writer import BODY_WRITER, body_writer
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,10 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_buffer_
             super().handle_events()
             if self.scope is not None:
                 # The request's task has not started yet: it will see the extension.
-                self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
+                extensions = self.scope.setdefault("extensions", {})
+                extensions[ABORT_CONNECTION] = self.transport.abort
+                if self.cycle is not None and self.cycle.scope is self.scope:
+                    extensions[BODY_WRITER] = body_writer(self.cycle)
             if self.cycle is not None and self._header_timer is not None:
                 # The first request head arrived; uvicorn's keep-alive timer guards later ones.
                 self._header_timer.cancel()

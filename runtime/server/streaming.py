@@ -4,17 +4,21 @@ uvicorn applies TCP flow control: once the client's window and the socket buffer
 send waits until the client reads. A send that waits longer than the stall timeout ends the
 stream: the event generator is closed, which aborts the request in the engine, frees its KV
 blocks and, when the response ends, releases its tenant's sequences; the connection is dropped.
+
+The chunks between the response's start and its end go out through the connection's body writer
+(body_writer.py) where it has one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from kvpilot.runtime.server.body_writer import BODY_WRITER, BodyWriter
 from kvpilot.runtime.server.connections import ABORT_CONNECTION
 
 logger = logging.getLogger(__name__)
@@ -26,9 +30,12 @@ class StallingStreamingResponse(StreamingResponse):
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall
         self._abort_connection: Callable[[], None] | None = None
+        self._body_writer: BodyWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._abort_connection = scope.get("extensions", {}).get(ABORT_CONNECTION)
+        extensions = scope.get("extensions", {})
+        self._abort_connection = extensions.get(ABORT_CONNECTION)
+        self._body_writer = extensions.get(BODY_WRITER)
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
@@ -49,15 +56,26 @@ class StallingStreamingResponse(StreamingResponse):
                 return
             timer = loop.call_at((now if sending_since is None else sending_since) + self.stall_timeout_s, watch)
 
-        async def watched_send(message: Message) -> None:
+        async def watched(sending: Awaitable[None]) -> None:
             nonlocal sending_since
             sending_since = loop.time()
-            await send(message)
+            await sending
             sending_since = None
 
         timer = loop.call_later(self.stall_timeout_s, watch)
         try:
-            await super().stream_response(watched_send)
+            await watched(send({"type": "http.response.start", "status": self.status_code,
+                                "headers": self.raw_headers}))
+            async for chunk in self.body_iterator:
+                if not isinstance(chunk, bytes):
+                    chunk = chunk.encode(self.charset)
+                if self._body_writer is not None:
+                    await watched(self._body_writer.write(chunk))
+                else:
+                    await watched(send({"type": "http.response.body", "body": chunk, "more_body": True}))
+            if self._body_writer is not None:
+                self._body_writer.flush()
+            await watched(send({"type": "http.response.body", "body": b"", "more_body": False}))
         except asyncio.CancelledError:
             if not stalled:
                 raise
@@ -70,3 +88,6 @@ class StallingStreamingResponse(StreamingResponse):
                 self._abort_connection()
         finally:
             timer.cancel()
+            if self._body_writer is not None:
+                # Whatever ends the stream writes after it (the drain's error event): in order.
+                self._body_writer.flush()
