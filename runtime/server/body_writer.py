@@ -30,11 +30,16 @@ class BodyWriter:
         self._loop = asyncio.get_running_loop()
         self._pending: list[bytes] = []
 
-    async def write(self, chunk: bytes) -> None:
-        """Queue one chunk; waits while the transport is paused (a client that does not read)."""
+    def must_wait(self) -> bool:
+        """Whether the transport is paused (a client that does not read): drain() before writing."""
+        return self._cycle.flow.write_paused and not self._cycle.disconnected
+
+    async def drain(self) -> None:
+        await self._cycle.flow.drain()
+
+    def write(self, chunk: bytes) -> None:
+        """Queue one chunk, for the socket write at the end of this turn of the loop."""
         cycle = self._cycle
-        if cycle.flow.write_paused and not cycle.disconnected:
-            await cycle.flow.drain()
         # As uvicorn's own send: a chunk for a client that left is dropped (the disconnect ends
         # the stream from the receive side).
         if cycle.disconnected or not chunk:
