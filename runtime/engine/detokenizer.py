@@ -34,6 +34,9 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
                 continue
+            if not self._stop:
+                self._pending += piece
+                continue
             # Whatever lies before the held-back tail was searched already.
             searched_before = max(0, len(self._pending) - self._holdback)
             self._pending += piece

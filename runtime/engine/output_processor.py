@@ -125,7 +125,11 @@ class ChoiceState:
             self.first_token_time = now
         else:
             # Tokens arriving together (one step) share the interval.
-            self.inter_token_latencies.extend([(now - self.last_token_time) / count] * count)
+            interval = (now - self.last_token_time) / count
+            if count == 1:
+                self.inter_token_latencies.append(interval)
+            else:
+                self.inter_token_latencies.extend([interval] * count)
         self.last_token_time = now
         self.num_output_tokens += count
 
