@@ -14,7 +14,8 @@ RESULTS = BENCH / "results"
 TINY_ARGS = {
     "offline_throughput.py": ["--num-prompts", "2", "--new-tokens", "2", "--prefix-len", "24"],
     "serving_throughput.py": ["--num-requests", "2", "--max-tokens", "2"],
-    "serving_vs_offline.py": ["--num-streams", "2", "--max-tokens", "2", "--prompt-len", "4", "--repetitions", "1"],
+    "serving_vs_offline.py": ["--num-streams", "2", "--max-tokens", "2", "--prompt-len", "4", "--repetitions", "1",
+                              "--threads", "1", "--baseline", "HEAD"],
     "chunked_prefill_latency.py": ["--num-decoding", "2", "--decode-prompt-len", "4", "--long-prompt-len", "40",
                                    "--window", "2", "--repetitions", "1", "--settings", "64:0,32:0"],
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
