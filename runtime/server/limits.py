@@ -33,8 +33,13 @@ class ServerLimits:
     socket_send_buffer_bytes: int = 256 * 1024
     # Threads that tokenize, render chat templates and detokenize, off the event loop.
     tokenizer_pool_size: int = 2
-    # uvicorn: idle time allowed between the requests of a keep-alive connection.
-    timeout_keep_alive_s: float = 5.0
+    # uvicorn: idle time allowed between the requests of a keep-alive connection. It must outlast
+    # the idle time after which clients stop reusing a pooled connection: a server that closes
+    # first resets a request sent on the connection just before its close arrives, and the client
+    # sees a ReadError for a request never served. uvicorn's 5 s equals httpx's (so the openai
+    # SDK's) expiry and loses that race under load; aiohttp pools for 15 s, ingress-nginx and AWS
+    # load balancers for 60 s. 75 s is nginx's own default; --max-connections bounds the idle ones.
+    timeout_keep_alive_s: float = 75.0
     # A connection whose request head has not fully arrived by then is closed (slowloris).
     header_timeout_s: float = 10.0
     # Open connections; more are closed on arrival. Below a container's usual 1024 descriptors.

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 
 import httpx
 import openai
+import openai._constants
 import pytest
 
 from server_harness import HTTP_TIMEOUT_S
@@ -95,3 +98,18 @@ def test_litellm_passes_penalties_through(server, http):
     )
     expected = _chat_text(http, repetition_penalty=1.5, **PENALTIES)
     assert response.choices[0].message.content == expected != _chat_text(http)
+
+
+def test_a_connection_the_openai_pool_would_reuse_is_still_open(server):
+    # The SDK reuses a pooled connection until it has been idle for its keep-alive expiry. A
+    # server that closed it earlier would reset a request sent on it at that moment (the client
+    # sees a ReadError for a request never served): it must keep the connection longer, with a
+    # margin for a busy client that marks the connection idle late.
+    idle_s = openai._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1.0
+    url = httpx.URL(server.base_url)
+    with socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(idle_s)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200"), "the server closed a connection the client may reuse"
