@@ -6,15 +6,22 @@ ignore_eos, sent at the trace's times; vllm:num_requests_waiting read from /metr
 quarter second), and through the simulator (one static replica with the calibrated profile and
 the same engine settings). The loads: a burst of requests sent at once, whose real throughput is
 the replica's capacity, then Poisson arrivals at shares of that capacity (--levels). Reports
-output throughput, median and p99 TTFT and the mean queue of each side, and their ratio.
+output throughput, median and p99 TTFT and the mean queue of each side, and their ratio; and the
+CPU the engine, the API server and the client took during each real load, which the simulator
+does not model: the engine gets --threads torch threads (1 by default, leaving the other cores
+to the API server and the client, as a GPU replica's model has its device to itself).
 
-    .venv/bin/python bench/sim_validation.py [--model DIR] [--levels 0.5,0.8,1.2] [--short]
+A request that fails ends the run with its cause (which request, when, the transport's error)
+and the server's log (its path and last lines).
+
+    .venv/bin/python bench/sim_validation.py [--model DIR] [--levels 0.5,0.8,1.2] [--duration 60] [--short]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,6 +31,8 @@ import time
 
 import httpx
 import numpy as np
+import psutil
+import torch
 
 from kvpilot.operator.sim import calibrate, fleet, report, strategies, trace
 from kvpilot.runtime.benchmarks.local_server import local_server
@@ -32,18 +41,30 @@ from kvpilot.runtime.tiny_model import make_tiny_model
 SAMPLE_SECONDS = 0.25
 
 
-async def _one(client: httpx.AsyncClient, prompt: list[int], output: int, start: float, delay: float
+class RequestFailed(Exception):
+    """A request of the load got no complete answer: the validation has no figures for it."""
+
+
+async def _one(client: httpx.AsyncClient, index: int, prompt: list[int], output: int, start: float, delay: float
                ) -> tuple[float, float]:
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     sent = time.perf_counter()
     body = {"model": "bench", "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
             "stream": True}
     first = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if first is None and line.startswith("data: {"):
-                first = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.perf_counter()
+    except httpx.HTTPError as error:
+        stage = "before its first token" if first is None else "while streaming"
+        raise RequestFailed(f"request {index} (sent {sent - start:.2f} s into the load, {len(prompt)} prompt tokens)"
+                            f" failed {stage}: {type(error).__name__}: {error or 'the server closed the connection'}"
+                            ) from error
+    if first is None:
+        raise RequestFailed(f"request {index}: the stream ended without a token")
     return first - sent, time.perf_counter() - start
 
 
@@ -57,22 +78,45 @@ async def _waiting(client: httpx.AsyncClient, into: list[float], stop: asyncio.E
         await asyncio.sleep(SAMPLE_SECONDS)
 
 
-async def _play(base_url: str, load: trace.Trace, vocab: int, seed: int) -> dict:
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (the client) and of the server's processes: the API
+    server (`kvpilot serve`) and the EngineCore it spawned."""
+    def total(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    seconds = {"client": time.process_time(), "api_server": 0.0, "engine": 0.0}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seconds["api_server" if "kvpilot.runtime.cli" in child.cmdline() else "engine"] += total(child)
+    return seconds
+
+
+async def _play(base_url: str, load: trace.Trace, vocab: int, seed: int) -> tuple[dict, dict]:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, vocab, size=n).tolist() for n in load.prompt.tolist()]
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        await _one(client, prompts[0][:8], 2, time.perf_counter(), 0.0)  # warm-up
+    # No pool limit: a request waiting for a connection would count that wait in its TTFT. The
+    # server's keep-alive outlasts httpx's 5 s expiry (limits.py), so no pooled connection is
+    # reused as the server closes it.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await _one(client, -1, prompts[0][:8], 2, time.perf_counter(), 0.0)  # warm-up
         stop = asyncio.Event()
         queue: list[float] = []
         sampler = asyncio.create_task(_waiting(client, queue, stop))
+        cpu_before = _cpu_seconds()
         start = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, p, o, start, t) for p, o, t in
-                                         zip(prompts, load.output.tolist(), load.time.tolist())))
-        stop.set()
-        await sampler
+        try:
+            results = await asyncio.gather(*(_one(client, i, p, o, start, t) for i, (p, o, t) in
+                                             enumerate(zip(prompts, load.output.tolist(), load.time.tolist()))))
+        finally:
+            stop.set()
+            await sampler
+        wall = time.perf_counter() - start
+        cpu = {key: (value - cpu_before[key]) / wall for key, value in _cpu_seconds().items()}
     ttft = np.array([r[0] for r in results])
     makespan = max(r[1] for r in results)
-    return _figures(float(load.output.sum()) / makespan, ttft, float(np.mean(queue)))
+    return _figures(float(load.output.sum()) / makespan, ttft, float(np.mean(queue))), cpu
 
 
 def _figures(throughput: float, ttft: np.ndarray, queue: float) -> dict:
@@ -106,13 +150,17 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
     parser.add_argument("--levels", default="0.5,0.8,1.2",
                         help="Poisson loads, as shares of the capacity the real engine shows on the burst")
-    parser.add_argument("--burst", type=int, default=96, help="requests in the capacity burst")
+    parser.add_argument("--burst", type=int, default=64, help="requests in the capacity burst")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load level")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--num-gpu-blocks", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the calibration and of the server's engine (default 1: the"
+                             " model gets a core, as a GPU replica gets its device, and the API server and"
+                             " the client the rest)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--short", action="store_true", help="seconds, not minutes: a smoke run of both sides")
     args = parser.parse_args()
@@ -122,6 +170,7 @@ def main() -> None:
     model_dir = args.model or str(make_tiny_model(
         tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=2048))
+    torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     grid = ([1, 4], [16], 4) if args.short else ([1, 4, 16, 32], [32, 128, 512], 16)
     profile = calibrate.calibrate(model_dir, batch_sizes=grid[0], context_lens=grid[1], decode_steps=grid[2],
@@ -134,36 +183,56 @@ def main() -> None:
     with open(os.path.join(model_dir, "config.json")) as file:
         vocab = json.load(file)["vocab_size"]
     rows = []
+
+    def play(workload: str, load: trace.Trace, seed: int) -> tuple[dict, dict]:
+        try:
+            return asyncio.run(_play(base_url, load, vocab, seed))
+        except RequestFailed as error:
+            raise SystemExit(f"{workload}: {error}") from None
+
     # Right after the calibration, in the same run, so that both see the machine alike.
-    with local_server(model_dir, *flags) as base_url:
+    with local_server(model_dir, *flags, env={"OMP_NUM_THREADS": str(args.threads)}) as base_url:
         burst = _burst(args.burst, args.prompt_tokens, args.output_tokens, args.seed)
-        asyncio.run(_play(base_url, burst, vocab, args.seed + 1))  # warm-up: the first large batches are slower
-        real = asyncio.run(_play(base_url, burst, vocab, args.seed))
+        # Warm-up: the first large batches are slower.
+        play("warm-up", _burst(min(args.burst, 16), args.prompt_tokens, args.output_tokens, args.seed + 1),
+             args.seed + 1)
+        real, cpu = play("burst", burst, args.seed)
         capacity = real["output_tokens_per_s"] / float(burst.output.mean())
-        rows.append((f"{len(burst)} requests at once (capacity: {capacity:.3g}/s)", real,
-                     _simulated(burst, profile, engine)))
+        rows.append((f"{len(burst)} at once (capacity {capacity:.3g}/s)", real, _simulated(burst, profile, engine), cpu))
         for level in levels:
             load = trace.poisson(level * capacity, args.duration, args.prompt_tokens, args.output_tokens,
                                  seed=args.seed)
-            real = asyncio.run(_play(base_url, load, vocab, args.seed))
-            rows.append((f"{level:.0%} of capacity: {len(load)} requests, Poisson {level * capacity:.3g}/s", real,
-                         _simulated(load, profile, engine)))
+            workload = f"{level:.0%}: {len(load)} requests, Poisson {level * capacity:.3g}/s"
+            real, cpu = play(workload, load, args.seed)
+            rows.append((workload, real, _simulated(load, profile, engine), cpu))
     load_after = os.getloadavg()
 
-    for workload, real, simulated in rows:
+    for workload, real, simulated, _ in rows:
         for side, figures in (("the real engine", real), ("the simulator", simulated)):
             if not all(math.isfinite(value) and value >= 0 for value in figures.values()):
                 raise SystemExit(f"{workload}: {side} gave no usable figures: {figures}")
     print(f"model: {model_dir}; prompts ~{args.prompt_tokens}, outputs ~{args.output_tokens} tokens;"
           f" max_num_seqs {args.max_num_seqs}; profile: {json.dumps(profile.__dict__)}")
-    print(f"{os.cpu_count()} cores; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print(f"{os.cpu_count()} cores; torch threads {args.threads} (the calibration and the server's engine);"
+          f" load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    # The engine is busy all through the burst: the cores it got then, against those its steps got
+    # while calibrated, say whether the machine ran the engine alike in both (not on a shared machine).
+    print(f"the engine got {profile.cores:.2f} cores while its steps were calibrated, {rows[0][3]['engine']:.2f}"
+          " while it served the burst")
     print()
     print("| workload | figure | real kvpilot serve | simulator | simulator / real |")
     print("|---|---|---|---|---|")
-    for workload, real, simulated in rows:
+    for workload, real, simulated, _ in rows:
         for key in real:
             ratio = f"{simulated[key] / real[key]:.2f}x" if real[key] else "-"
             print(f"| {workload} | {key} | {real[key]:.4g} | {simulated[key]:.4g} | {ratio} |")
+    print()
+    print("CPU seconds per wall second during each real load (the simulator models the engine alone):")
+    print()
+    print("| workload | EngineCore | API server | client (this process) |")
+    print("|---|---|---|---|")
+    for workload, *_, cpu in rows:
+        print(f"| {workload} | {cpu['engine']:.2f} | {cpu['api_server']:.2f} | {cpu['client']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ context) and each of the next decode_steps steps decodes one token per request (
 context = batch x (context + j) after step j). Every EngineCore.step() is timed on its own, so
 the per-call work of `generate` (adding requests, output processing, detokenizing) stays out of
 the step cost, as it does in the server, where the API-server process does it. Prefix caching is
-off, so that no prompt shares another's blocks.
+off, so that no prompt shares another's blocks. The profile records the cores the steps got (CPU
+seconds per wall second): on a shared machine, the share a later run gets may differ.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from kvpilot.operator.sim.profile import Profile
 
 
 class _TimedSteps:
-    """The EngineCore, with the wall time of each step() it runs recorded."""
+    """The EngineCore, with the wall time of each step() it runs recorded, and the CPU time of
+    them all (this process's, all its threads)."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
         self.seconds: list[float] = []
+        self.cpu_seconds = 0.0
 
     def step(self):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         outputs = self._engine.step()
         self.seconds.append(time.perf_counter() - started)
+        self.cpu_seconds += time.process_time() - cpu_started
         return outputs
 
     def __getattr__(self, name: str):
@@ -63,6 +67,7 @@ def calibrate(model: str, *, batch_sizes: Sequence[int], context_lens: Sequence[
 
     steps(min(batch_sizes), min(context_lens))  # warm-up: first calls pay for allocation and compilation
     rows, times = [], []
+    timed.cpu_seconds = 0.0
     for batch in batch_sizes:
         for context in context_lens:
             prefill, *decodes = steps(batch, context)
@@ -78,6 +83,7 @@ def calibrate(model: str, *, batch_sizes: Sequence[int], context_lens: Sequence[
                f" contexts {list(context_lens)}, {decode_steps} decode steps per point",
         base_s=float(coefficients[0]), per_token_s=float(coefficients[1]), per_sequence_s=float(coefficients[2]),
         per_context_token_s=float(coefficients[3]), num_gpu_blocks=num_gpu_blocks - 1, block_size=block_size,
+        cores=timed.cpu_seconds / sum(times),
     )
 
 

@@ -32,6 +32,9 @@ class Profile:
     num_gpu_blocks: int  # the KV pool, in blocks of block_size tokens
     block_size: int = 16
     per_sequence_s: float = 0.0
+    # The CPU cores the engine's steps got while `calibrate` timed them (CPU seconds per wall
+    # second); None for a roofline.
+    cores: float | None = None
 
     def __post_init__(self) -> None:
         costs = (self.base_s, self.per_token_s, self.per_sequence_s, self.per_context_token_s)
