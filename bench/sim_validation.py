@@ -78,18 +78,33 @@ async def _waiting(client: httpx.AsyncClient, into: list[float], stop: asyncio.E
         await asyncio.sleep(SAMPLE_SECONDS)
 
 
-def _cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of this process (the client) and of the server's processes: the API
-    server (`kvpilot serve`) and the EngineCore it spawned."""
-    def total(process: psutil.Process) -> float:
-        times = process.cpu_times()
-        return times.user + times.system
+class _Machine:
+    """What the client and the server's processes took of the machine during a load: CPU seconds
+    of the client (this process), the API server (`kvpilot serve`) and the EngineCore it spawned;
+    and the EngineCore threads' time on a core and waiting runnable for one."""
 
-    seconds = {"client": time.process_time(), "api_server": 0.0, "engine": 0.0}
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            seconds["api_server" if "kvpilot.runtime.cli" in child.cmdline() else "engine"] += total(child)
-    return seconds
+    def __init__(self) -> None:
+        self._before = self._read()
+
+    @staticmethod
+    def _read() -> tuple[dict[str, float], tuple[float, float]]:
+        seconds = {"client": time.process_time(), "api_server": 0.0, "engine": 0.0}
+        engine_queue = (0.0, 0.0)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = child.cpu_times()
+                role = "api_server" if "kvpilot.runtime.cli" in child.cmdline() else "engine"
+                seconds[role] += times.user + times.system
+                if role == "engine":
+                    ran, waited = calibrate.run_queue_seconds(child.pid)
+                    engine_queue = (engine_queue[0] + ran, engine_queue[1] + waited)
+        return seconds, engine_queue
+
+    def since(self, wall: float) -> dict:
+        (cpu_before, queue_before), (cpu_after, queue_after) = self._before, self._read()
+        figures = {key: (cpu_after[key] - cpu_before[key]) / wall for key in cpu_after}
+        figures["engine_share"] = calibrate.cpu_share(queue_before, queue_after)
+        return figures
 
 
 async def _play(base_url: str, load: trace.Trace, vocab: int, seed: int) -> tuple[dict, dict]:
@@ -104,7 +119,7 @@ async def _play(base_url: str, load: trace.Trace, vocab: int, seed: int) -> tupl
         stop = asyncio.Event()
         queue: list[float] = []
         sampler = asyncio.create_task(_waiting(client, queue, stop))
-        cpu_before = _cpu_seconds()
+        machine = _Machine()
         start = time.perf_counter()
         try:
             results = await asyncio.gather(*(_one(client, i, p, o, start, t) for i, (p, o, t) in
@@ -112,8 +127,7 @@ async def _play(base_url: str, load: trace.Trace, vocab: int, seed: int) -> tupl
         finally:
             stop.set()
             await sampler
-        wall = time.perf_counter() - start
-        cpu = {key: (value - cpu_before[key]) / wall for key, value in _cpu_seconds().items()}
+        cpu = machine.since(time.perf_counter() - start)
     ttft = np.array([r[0] for r in results])
     makespan = max(r[1] for r in results)
     return _figures(float(load.output.sum()) / makespan, ttft, float(np.mean(queue))), cpu
@@ -190,6 +204,14 @@ def main() -> None:
         except RequestFailed as error:
             raise SystemExit(f"{workload}: {error}") from None
 
+    def simulate(load: trace.Trace, cpu: dict) -> tuple[dict, dict | None, dict]:
+        """The simulator with the profile as calibrated, and with its costs stretched by the share of
+        a core the engine got while serving this load, against the share the calibration got."""
+        share = cpu["engine_share"]
+        stretched = None if share is None or profile.cpu_share is None else _simulated(
+            load, profile.stretched(profile.cpu_share / share), engine)
+        return _simulated(load, profile, engine), stretched, cpu
+
     # Right after the calibration, in the same run, so that both see the machine alike.
     with local_server(model_dir, *flags, env={"OMP_NUM_THREADS": str(args.threads)}) as base_url:
         burst = _burst(args.burst, args.prompt_tokens, args.output_tokens, args.seed)
@@ -198,16 +220,16 @@ def main() -> None:
              args.seed + 1)
         real, cpu = play("burst", burst, args.seed)
         capacity = real["output_tokens_per_s"] / float(burst.output.mean())
-        rows.append((f"{len(burst)} at once (capacity {capacity:.3g}/s)", real, _simulated(burst, profile, engine), cpu))
+        rows.append((f"{len(burst)} at once (capacity {capacity:.3g}/s)", real, *simulate(burst, cpu)))
         for level in levels:
             load = trace.poisson(level * capacity, args.duration, args.prompt_tokens, args.output_tokens,
                                  seed=args.seed)
             workload = f"{level:.0%}: {len(load)} requests, Poisson {level * capacity:.3g}/s"
             real, cpu = play(workload, load, args.seed)
-            rows.append((workload, real, _simulated(load, profile, engine), cpu))
+            rows.append((workload, real, *simulate(load, cpu)))
     load_after = os.getloadavg()
 
-    for workload, real, simulated, _ in rows:
+    for workload, real, simulated, _, _ in rows:
         for side, figures in (("the real engine", real), ("the simulator", simulated)):
             if not all(math.isfinite(value) and value >= 0 for value in figures.values()):
                 raise SystemExit(f"{workload}: {side} gave no usable figures: {figures}")
@@ -215,24 +237,32 @@ def main() -> None:
           f" max_num_seqs {args.max_num_seqs}; profile: {json.dumps(profile.__dict__)}")
     print(f"{os.cpu_count()} cores; torch threads {args.threads} (the calibration and the server's engine);"
           f" load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    # The engine is busy all through the burst: the cores it got then, against those its steps got
-    # while calibrated, say whether the machine ran the engine alike in both (not on a shared machine).
-    print(f"the engine got {profile.cores:.2f} cores while its steps were calibrated, {rows[0][3]['engine']:.2f}"
-          " while it served the burst")
     print()
-    print("| workload | figure | real kvpilot serve | simulator | simulator / real |")
-    print("|---|---|---|---|---|")
-    for workload, real, simulated, _ in rows:
+    print("| workload | figure | real kvpilot serve | simulator | simulator / real"
+          " | simulator at the serving share | / real |")
+    print("|---|---|---|---|---|---|---|")
+    for workload, real, simulated, stretched, _ in rows:
         for key in real:
-            ratio = f"{simulated[key] / real[key]:.2f}x" if real[key] else "-"
-            print(f"| {workload} | {key} | {real[key]:.4g} | {simulated[key]:.4g} | {ratio} |")
+            print(f"| {workload} | {key} | {real[key]:.4g} | {simulated[key]:.4g} | {_ratio(simulated[key], real[key])}"
+                  + (f" | {stretched[key]:.4g} | {_ratio(stretched[key], real[key])} |" if stretched else " | - | - |"))
     print()
-    print("CPU seconds per wall second during each real load (the simulator models the engine alone):")
+    print("The machine during each real load: CPU seconds per wall second, and the EngineCore threads'"
+          " share of a core while runnable (the simulator models the engine alone, and its last column"
+          f" stretches the step costs by {_share(profile.cpu_share)}, the calibration's share, over the load's):")
     print()
-    print("| workload | EngineCore | API server | client (this process) |")
-    print("|---|---|---|---|")
+    print("| workload | EngineCore | API server | client (this process) | EngineCore share of a core |")
+    print("|---|---|---|---|---|")
     for workload, *_, cpu in rows:
-        print(f"| {workload} | {cpu['engine']:.2f} | {cpu['api_server']:.2f} | {cpu['client']:.2f} |")
+        print(f"| {workload} | {cpu['engine']:.2f} | {cpu['api_server']:.2f} | {cpu['client']:.2f}"
+              f" | {_share(cpu['engine_share'])} |")
+
+
+def _ratio(simulated: float, real: float) -> str:
+    return f"{simulated / real:.2f}x" if real else "-"
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.2f}"
 
 
 if __name__ == "__main__":

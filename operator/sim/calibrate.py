@@ -9,34 +9,57 @@ context) and each of the next decode_steps steps decodes one token per request (
 context = batch x (context + j) after step j). Every EngineCore.step() is timed on its own, so
 the per-call work of `generate` (adding requests, output processing, detokenizing) stays out of
 the step cost, as it does in the server, where the API-server process does it. Prefix caching is
-off, so that no prompt shares another's blocks. The profile records the cores the steps got (CPU
-seconds per wall second): on a shared machine, the share a later run gets may differ.
+off, so that no prompt shares another's blocks. The profile records the share of the time the
+steps' threads were runnable that they ran on a core: on a shared machine, less than 1, and not
+the share a later run gets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from kvpilot.operator.sim.profile import Profile
 
 
+def run_queue_seconds(pid: int | str = "self") -> tuple[float, float]:
+    """Seconds a process's threads, all together, have run on a core and waited runnable for
+    one (Linux's /proc/PID/task/*/schedstat); (0, 0) where the kernel does not say."""
+    on_cpu = waiting = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            ran, waited, _ = stat.read_text().split()
+            on_cpu, waiting = on_cpu + int(ran), waiting + int(waited)
+    return on_cpu / 1e9, waiting / 1e9
+
+
+def cpu_share(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """Of the time the threads were runnable between two run_queue_seconds, the share they ran:
+    1 on a machine with a core free whenever one was wanted, less on a shared one."""
+    ran, waited = after[0] - before[0], after[1] - before[1]
+    return ran / (ran + waited) if ran > 0 else None
+
+
 class _TimedSteps:
-    """The EngineCore, with the wall time of each step() it runs recorded, and the CPU time of
-    them all (this process's, all its threads)."""
+    """The EngineCore, with the wall time of each step() it runs recorded, and its threads'
+    time on and waiting for a core over them all."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
         self.seconds: list[float] = []
-        self.cpu_seconds = 0.0
+        self.run_queue = (0.0, 0.0)
 
     def step(self):
-        started, cpu_started = time.perf_counter(), time.process_time()
+        before = run_queue_seconds()
+        started = time.perf_counter()
         outputs = self._engine.step()
         self.seconds.append(time.perf_counter() - started)
-        self.cpu_seconds += time.process_time() - cpu_started
+        after = run_queue_seconds()
+        self.run_queue = (self.run_queue[0] + after[0] - before[0], self.run_queue[1] + after[1] - before[1])
         return outputs
 
     def __getattr__(self, name: str):
@@ -67,7 +90,7 @@ def calibrate(model: str, *, batch_sizes: Sequence[int], context_lens: Sequence[
 
     steps(min(batch_sizes), min(context_lens))  # warm-up: first calls pay for allocation and compilation
     rows, times = [], []
-    timed.cpu_seconds = 0.0
+    timed.run_queue = (0.0, 0.0)
     for batch in batch_sizes:
         for context in context_lens:
             prefill, *decodes = steps(batch, context)
@@ -83,7 +106,7 @@ def calibrate(model: str, *, batch_sizes: Sequence[int], context_lens: Sequence[
                f" contexts {list(context_lens)}, {decode_steps} decode steps per point",
         base_s=float(coefficients[0]), per_token_s=float(coefficients[1]), per_sequence_s=float(coefficients[2]),
         per_context_token_s=float(coefficients[3]), num_gpu_blocks=num_gpu_blocks - 1, block_size=block_size,
-        cores=timed.cpu_seconds / sum(times),
+        cpu_share=cpu_share((0.0, 0.0), timed.run_queue),
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -32,9 +32,9 @@ class Profile:
     num_gpu_blocks: int  # the KV pool, in blocks of block_size tokens
     block_size: int = 16
     per_sequence_s: float = 0.0
-    # The CPU cores the engine's steps got while `calibrate` timed them (CPU seconds per wall
-    # second); None for a roofline.
-    cores: float | None = None
+    # While `calibrate` timed the steps: the share of the time their threads were runnable that
+    # they ran on a core (below 1 on a shared machine); None for a roofline.
+    cpu_share: float | None = None
 
     def __post_init__(self) -> None:
         costs = (self.base_s, self.per_token_s, self.per_sequence_s, self.per_context_token_s)
@@ -42,6 +42,13 @@ class Profile:
             raise ValueError(f"profile {self.name}: step costs must be non-negative and a step must take time")
         if self.num_gpu_blocks < 1 or self.block_size < 1:
             raise ValueError(f"profile {self.name}: num_gpu_blocks and block_size must be positive")
+
+    def stretched(self, factor: float) -> Profile:
+        """Every step cost `factor` times longer: the same work with a smaller share of a core."""
+        return replace(
+            self, base_s=self.base_s * factor, per_token_s=self.per_token_s * factor,
+            per_sequence_s=self.per_sequence_s * factor, per_context_token_s=self.per_context_token_s * factor,
+            cpu_share=None if self.cpu_share is None else self.cpu_share / factor)
 
     def step_seconds(self, tokens: float, sequences: float, context: float) -> float:
         return (self.base_s + self.per_token_s * tokens + self.per_sequence_s * sequences
