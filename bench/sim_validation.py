@@ -205,11 +205,10 @@ def main() -> None:
             raise SystemExit(f"{workload}: {error}") from None
 
     def simulate(load: trace.Trace, cpu: dict) -> tuple[dict, dict | None, dict]:
-        """The simulator with the profile as calibrated, and with its costs stretched by the share of
-        a core the engine got while serving this load, against the share the calibration got."""
+        """The simulator with the profile as calibrated (a core free for each engine thread), and
+        with its costs stretched by the share of a core the engine got while serving this load."""
         share = cpu["engine_share"]
-        stretched = None if share is None or profile.cpu_share is None else _simulated(
-            load, profile.stretched(profile.cpu_share / share), engine)
+        stretched = None if share is None else _simulated(load, profile.stretched(1 / share), engine)
         return _simulated(load, profile, engine), stretched, cpu
 
     # Right after the calibration, in the same run, so that both see the machine alike.
@@ -247,8 +246,9 @@ def main() -> None:
                   + (f" | {stretched[key]:.4g} | {_ratio(stretched[key], real[key])} |" if stretched else " | - | - |"))
     print()
     print("The machine during each real load: CPU seconds per wall second, and the EngineCore threads'"
-          " share of a core while runnable (the simulator models the engine alone, and its last column"
-          f" stretches the step costs by {_share(profile.cpu_share)}, the calibration's share, over the load's):")
+          " share of a core while runnable. The simulator models the engine alone; its profile's step costs"
+          f" are their times with a core free (the calibration's threads got {_share(profile.cpu_share)} of one,"
+          " the waits are taken out); its last column divides them by the share the engine got in the load:")
     print()
     print("| workload | EngineCore | API server | client (this process) | EngineCore share of a core |")
     print("|---|---|---|---|---|")

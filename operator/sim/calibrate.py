@@ -9,9 +9,12 @@ context) and each of the next decode_steps steps decodes one token per request (
 context = batch x (context + j) after step j). Every EngineCore.step() is timed on its own, so
 the per-call work of `generate` (adding requests, output processing, detokenizing) stays out of
 the step cost, as it does in the server, where the API-server process does it. Prefix caching is
-off, so that no prompt shares another's blocks. The profile records the share of the time the
-steps' threads were runnable that they ran on a core: on a shared machine, less than 1, and not
-the share a later run gets.
+off, so that no prompt shares another's blocks.
+
+On a shared machine a step's wall time includes the time its threads waited for a core, which
+depends on what else ran then. Each step is timed by its wall time x the share of its threads'
+runnable time that they ran (Linux's schedstat): its time on a machine with a core free for each
+thread. The profile records the share over all the steps (1 on a quiet machine).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def cpu_share(before: tuple[float, float], after: tuple[float, float]) -> float 
 
 
 class _TimedSteps:
-    """The EngineCore, with the wall time of each step() it runs recorded, and its threads'
-    time on and waiting for a core over them all."""
+    """The EngineCore, with the time of each step() it runs recorded, and its threads' time on
+    and waiting for a core over them all."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
@@ -57,8 +60,12 @@ class _TimedSteps:
         before = run_queue_seconds()
         started = time.perf_counter()
         outputs = self._engine.step()
-        self.seconds.append(time.perf_counter() - started)
+        wall = time.perf_counter() - started
         after = run_queue_seconds()
+        # Its time with a core for each thread whenever it wanted one: the wall time less the
+        # waits for a core that a shared machine adds (a quiet one adds none).
+        share = cpu_share(before, after)
+        self.seconds.append(wall if share is None else wall * share)
         self.run_queue = (self.run_queue[0] + after[0] - before[0], self.run_queue[1] + after[1] - before[1])
         return outputs
 

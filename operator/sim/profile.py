@@ -33,7 +33,8 @@ class Profile:
     block_size: int = 16
     per_sequence_s: float = 0.0
     # While `calibrate` timed the steps: the share of the time their threads were runnable that
-    # they ran on a core (below 1 on a shared machine); None for a roofline.
+    # they ran on a core (below 1 on a shared machine: the costs above have those waits taken
+    # out); None for a roofline.
     cpu_share: float | None = None
 
     def __post_init__(self) -> None:
@@ -44,11 +45,10 @@ class Profile:
             raise ValueError(f"profile {self.name}: num_gpu_blocks and block_size must be positive")
 
     def stretched(self, factor: float) -> Profile:
-        """Every step cost `factor` times longer: the same work with a smaller share of a core."""
-        return replace(
-            self, base_s=self.base_s * factor, per_token_s=self.per_token_s * factor,
-            per_sequence_s=self.per_sequence_s * factor, per_context_token_s=self.per_context_token_s * factor,
-            cpu_share=None if self.cpu_share is None else self.cpu_share / factor)
+        """Every step cost `factor` times longer: the same work with 1 / factor of a core."""
+        return replace(self, base_s=self.base_s * factor, per_token_s=self.per_token_s * factor,
+                       per_sequence_s=self.per_sequence_s * factor,
+                       per_context_token_s=self.per_context_token_s * factor)
 
     def step_seconds(self, tokens: float, sequences: float, context: float) -> float:
         return (self.base_s + self.per_token_s * tokens + self.per_sequence_s * sequences

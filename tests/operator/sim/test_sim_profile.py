@@ -14,12 +14,11 @@ PROFILE = Profile("test", "made up", base_s=0.01, per_token_s=1e-4, per_context_
                   per_sequence_s=2e-3, cpu_share=0.8)
 
 
-def test_a_stretched_profile_takes_that_much_longer_per_step_with_that_much_less_of_a_core(tmp_path):
+def test_a_stretched_profile_takes_that_much_longer_per_step(tmp_path):
     slower = PROFILE.stretched(2.5)
     for tokens, sequences, context in [(1, 1, 10), (512, 3, 900), (32, 32, 4096)]:
         assert slower.step_seconds(tokens, sequences, context) == pytest.approx(
             2.5 * PROFILE.step_seconds(tokens, sequences, context))
-    assert slower.cpu_share == pytest.approx(0.32)
     slower.save(tmp_path / "profile.json")
     assert Profile.load(tmp_path / "profile.json") == slower
 
