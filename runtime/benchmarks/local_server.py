@@ -1,8 +1,8 @@
 """A `kvpilot serve` subprocess on 127.0.0.1 for benchmark scripts that measure against a real server.
 
-Each server's stdout and stderr go to a log file that outlives it: when the server does not
-start, exits early, or the benchmark fails while it runs, the error names the file and ends with
-its last lines, so that a failed run says why the server refused, closed or died.
+Each server's stdout and stderr go to a log file: when the server does not start, exits early,
+or the benchmark fails while it runs, the error names the file, which is kept, and ends with its
+last lines, so that a failed run says why the server refused, closed or died.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | N
     caller's block is re-raised with each server's log (its path, whether it is still alive, its
     last lines)."""
     servers, urls, logs = [], [], []
+    failed = True
     log_dir = Path(tempfile.mkdtemp(prefix="kvpilot-serve-logs-"))
     try:
         for flags in flag_sets:
@@ -70,11 +72,14 @@ def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | N
         except Exception as error:
             error.add_note(_reports(servers, logs))
             raise
+        failed = False
     finally:
         for server in servers:
             server.terminate()
         for server in servers:
             server.wait(timeout=60)
+        if not failed:  # the logs are kept for failures only
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _wait_healthy(server: subprocess.Popen, base_url: str, log: Path, deadline: float) -> None:

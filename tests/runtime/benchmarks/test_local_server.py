@@ -32,3 +32,4 @@ def test_an_error_while_it_serves_carries_its_log(tiny_llama_dir):
     [note] = failure.value.__notes__
     assert "still running" in note
     assert "Uvicorn running" in _log_path(note).read_text()
+
