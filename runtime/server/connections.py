@@ -61,6 +61,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_buffer_
             if self._header_timer is not None:
                 self._header_timer.cancel()
             super().connection_lost(exc)
+            # uvicorn drops its keep-alive timer only on a clean close: after a reset the timer
+            # would hold the connection's objects for the whole --timeout-keep-alive (75 s).
+            self._unset_keepalive_if_required()
 
         def _head_overdue(self) -> None:
             self._header_timer = None
