@@ -17,4 +17,6 @@ setup(
         for package, folder in PACKAGE_DIR.items()
         for found in ["", *find_namespace_packages(where=folder, exclude=["__pycache__", "*.__pycache__"])]
     ],
+    # The C kernels are compiled from source on first use (kernels/cpu/build.py).
+    package_data={"kvpilot.kernels.cpu": ["*.c"]},
 )

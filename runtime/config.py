@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
-# `auto`: the Triton kernels on CUDA, the torch reference elsewhere.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# `auto`: the Triton kernels on CUDA, the C kernel (kernels/cpu/) on a CPU where it builds, else
+# the torch reference.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Tokens per KV block: powers of two up to 128 (the CRD's enum is checked against this).
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -91,8 +92,9 @@ class ModelConfig:
     dtype: str = setting("float32", "weight and activation dtype", choices=DTYPES)
     seed: int = setting(0, "engine seed (requests without their own seed sample from it)", metavar="N")
     attention_backend: str = setting(
-        "auto", "kernels for paged attention, KV-cache writes, RoPE and RMSNorm: triton (kernels/) or torch; "
-        "auto is triton on CUDA, torch on a CPU", choices=ATTENTION_BACKENDS)
+        "auto", "kernels for paged attention, KV-cache writes, RoPE and RMSNorm: triton (kernels/), cpu (the "
+        "C paged-attention kernel in kernels/cpu/, compiled on first use) or torch (the reference); "
+        "auto is triton on CUDA, cpu on a CPU (torch where cpu cannot build)", choices=ATTENTION_BACKENDS)
     tokenizer: str | None = setting(
         None, "take the tokenizer and chat template from this folder or .gguf file (default: the model's own)",
         metavar="PATH")

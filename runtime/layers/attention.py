@@ -8,6 +8,7 @@ slot is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.runtime.config import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,7 +49,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    # "torch" or "triton": the model's other layers follow it (RoPE, RMSNorm).
+    # "torch", "cpu" or "triton": the model's other layers follow it (RoPE, RMSNorm; torch's
+    # unless "triton").
     name: str
 
     def forward(
@@ -124,6 +128,14 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
+def _write_cache(k, v, kv_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the step's K/V rows into their slots; returns the key and value caches."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    return key_cache, value_cache
+
+
 class TorchPagedAttention:
     """The reference backend, batched: one SDPA call for all decodes, one per group of prefill
     chunks of similar length; no per-request loop.
@@ -142,9 +154,7 @@ class TorchPagedAttention:
         self._workspace: dict[str, torch.Tensor] = {}
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        key_cache.view(-1, *k.shape[1:]).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, *v.shape[1:]).index_copy_(0, metadata.slot_mapping, v)
+        key_cache, value_cache = _write_cache(k, v, kv_cache, metadata.slot_mapping)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan_groups(metadata, key_cache.shape[1], num_heads // num_kv_heads)
@@ -183,6 +193,29 @@ class TorchPagedAttention:
         return torch.index_select(cache, 0, pages, out=buffer[:numel].view(shape))
 
 
+class CpuPagedAttention:
+    """The C kernel in kvpilot.kernels.cpu: one call per layer for the whole packed step, reading
+    each request's K/V through its block table where it lies (no gathered or padded copy), with
+    an online softmax; the cache write is torch's `index_copy_`, as in the torch backend.
+
+    bench/attention_options.py measures it against the torch backend.
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        # Imported here: only an engine that runs this backend compiles the kernel.
+        from kvpilot.kernels.cpu.paged_attention import build, paged_attention
+
+        build()
+        self._attend = paged_attention
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        key_cache, value_cache = _write_cache(k, v, kv_cache, metadata.slot_mapping)
+        return self._attend(q, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
+                            metadata.seq_lens, scale)
+
+
 class TritonPagedAttention:
     """The kernels in kvpilot.kernels: one cache write, then one launch for the whole packed batch.
 
@@ -205,21 +238,52 @@ class TritonPagedAttention:
                             metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len)
 
 
-def resolve_attention_backend(name: str, device_type: str) -> str:
-    """`auto` is Triton on CUDA and torch elsewhere; Triton on a CPU only under its interpreter."""
+def resolve_attention_backend(name: str, device_type: str, dtype: torch.dtype = torch.float32) -> str:
+    """`auto` is Triton on CUDA, the C kernel on a CPU where it builds and supports the dtype (else
+    torch, saying why), torch on any other device. Triton on a CPU only under its interpreter."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        return "triton" if device_type == "cuda" else "torch"
+        if device_type == "cuda":
+            return "triton"
+        if device_type != "cpu":
+            return "torch"
+        reason = cpu_backend_unavailable(dtype)
+        if reason is None:
+            return "cpu"
+        logger.warning("attention backend: torch, since the 'cpu' kernel is unavailable: %s", reason)
+        return "torch"
+    if name == "cpu":
+        reason = (f"it runs on a CPU device only, not {device_type!r}" if device_type != "cpu"
+                  else cpu_backend_unavailable(dtype))
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpu' is unavailable: {reason}; use 'torch'")
     if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend 'triton' on a CPU runs only under the Triton interpreter: "
                          "set TRITON_INTERPRET=1 (slow; for tests), or use 'torch'")
     return name
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if resolve_attention_backend(name, device.type) == "triton":
+def cpu_backend_unavailable(dtype: torch.dtype) -> str | None:
+    """Why the C kernel cannot serve a model of this dtype here, or None (it is built by now)."""
+    from kvpilot.kernels.cpu.build import KernelBuildError
+    from kvpilot.kernels.cpu.paged_attention import DTYPES, build
+
+    if dtype not in DTYPES:
+        return f"it supports {', '.join(str(d).removeprefix('torch.') for d in DTYPES)}, the model runs {dtype}"
+    try:
+        build()
+    except KernelBuildError as error:
+        return str(error)
+    return None
+
+
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    resolved = resolve_attention_backend(name, device.type, dtype)
+    if resolved == "triton":
         return TritonPagedAttention()
+    if resolved == "cpu":
+        return CpuPagedAttention()
     return TorchPagedAttention()
 
 

@@ -26,7 +26,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
-        backend = get_attention_backend(config.model.attention_backend, device)
+        backend = get_attention_backend(config.model.attention_backend, device, config.model.torch_dtype)
         self.model = load_model(config.model, backend, device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)

@@ -1,5 +1,5 @@
-"""What gets installed: the wheel holds every module of runtime/, kernels/ and operator/ under
-kvpilot.*, and the repository root's operator/ folder never shadows the standard library's
+"""What gets installed: the wheel holds every module of runtime/, kernels/ and operator/ (and the C
+kernels' sources) under kvpilot.*, and the repository root's operator/ folder never shadows the standard library's
 `operator` (it has no __init__.py for that reason, see operator/README.md)."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
         check=True, capture_output=True, timeout=120,
     )
     [wheel] = (tmp_path / "dist").glob("kvpilot-*.whl")
-    packaged = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
+    # Python modules, and the C sources that kernels/cpu/ compiles on first use.
+    packaged = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith((".py", ".c"))}
     expected = {f"kvpilot/{path.relative_to(source).as_posix()}"
-                for folder in PACKAGE_FOLDERS for path in (source / folder).rglob("*.py")}
+                for folder in PACKAGE_FOLDERS for pattern in ("*.py", "*.c") for path in (source / folder).rglob(pattern)}
     assert packaged == expected

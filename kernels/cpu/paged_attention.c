@@ -1,0 +1,246 @@
+/* Paged attention on a CPU, reading K/V in place through the block tables.
+ *
+ * The contract of kernels/paged_attention.py (the Triton kernel), for a packed step of decodes
+ * and prefill chunks: request i's queries are rows query_start_loc[i] .. query_start_loc[i+1] of
+ * q, the last of its seq_lens[i] context tokens; key j of request i sits in page
+ * block_tables[i][j / block_size], slot j % block_size. Query n of a request with q_len queries
+ * sees keys 0 .. seq_len - q_len + n (causal within a chunk, everything cached before it).
+ *
+ * A work item is (request, KV head, tile of queries); its rows are the tile's queries times the
+ * query heads sharing that KV head (GQA), so every key and value row is read from the cache once
+ * per item and dotted with all of its rows, with no repeated or gathered K/V. The keys are taken
+ * in chunks of KEY_CHUNK, each chunk one online-softmax update (running max and sum, base 2, all
+ * float32). Causality is a per-row bound on the keys, never a mask: no -inf enters the arithmetic,
+ * and keys past a row's bound (or past the context, where the null block pads the table) are
+ * never read.
+ *
+ * Vectorisation is left to the compiler (-O3 -march=native): the inner loops run over head_dim or
+ * over a chunk's keys with OpenMP simd reductions, which allow reordering a sum without
+ * -ffast-math. exp2 is a polynomial the compiler can vectorise (libm's expf is a scalar call).
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Keys per online-softmax update: enough to amortise the rescaling of the accumulators. */
+#define KEY_CHUNK 32
+/* Floats of query rows a work item holds (rows x head_dim): 64 rows of 128, L1/L2-resident. */
+#define ROW_FLOATS 8192
+#define MAX_ROWS 64
+#define LOG2E 1.4426950408889634f
+
+enum { OK = 0, BAD_HEADS = 1, BAD_HEAD_DIM = 2, OUT_OF_MEMORY = 3 };
+
+/* 2**x for x <= 0: a power of two from the exponent bits times a degree-7 Taylor polynomial on
+ * [-0.5, 0.5] (relative error ~5e-9, below float32's rounding). Below -126 it returns 2**-126,
+ * whose weight is nothing next to the running max's 1. */
+#pragma omp declare simd
+static inline float exp2_nonpositive(float x) {
+    x = x < -126.0f ? -126.0f : x;
+    /* Adding and subtracting 1.5 * 2**23 rounds to the nearest integer in float arithmetic. */
+    float n = (x + 12582912.0f) - 12582912.0f;
+    float t = (x - n) * 0.6931471805599453f;
+    float p = 1.0f / 5040.0f;
+    p = p * t + 1.0f / 720.0f;
+    p = p * t + 1.0f / 120.0f;
+    p = p * t + 1.0f / 24.0f;
+    p = p * t + 1.0f / 6.0f;
+    p = p * t + 0.5f;
+    p = p * t + 1.0f;
+    p = p * t + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float power;
+    memcpy(&power, &bits, sizeof power);
+    return p * power;
+}
+
+typedef struct {
+    const float *q, *key_cache, *value_cache;
+    float *out;
+    int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
+    int64_t cache_stride_block, cache_stride_slot, cache_stride_head;
+    const int64_t *block_tables, *query_start_loc, *seq_lens;
+    int64_t block_tables_stride, num_kv_heads, group, head_dim, block_size, tile_queries;
+    float scale_log2;
+} Problem;
+
+typedef struct {
+    float *queries, *acc;           /* [rows][head_dim] */
+    float scores[MAX_ROWS][KEY_CHUNK];
+    float running_max[MAX_ROWS], running_sum[MAX_ROWS];
+    int64_t last_key[MAX_ROWS];     /* the last key each row sees */
+} Workspace;
+
+static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_head, int64_t tile) {
+    const int64_t dim = p->head_dim, group = p->group;
+    const int64_t q_start = p->query_start_loc[req];
+    const int64_t q_len = p->query_start_loc[req + 1] - q_start;
+    const int64_t context = p->seq_lens[req] - q_len;
+    const int64_t first_query = tile * p->tile_queries;
+    int64_t tile_len = q_len - first_query;
+    if (tile_len > p->tile_queries) tile_len = p->tile_queries;
+    const int64_t rows = tile_len * group;
+
+    /* Row r is query first_query + r / group, head kv_head * group + r % group. */
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = p->q + (q_start + first_query + r / group) * p->q_stride_token
+                           + (kv_head * group + r % group) * p->q_stride_head;
+        float *dst = w->queries + r * dim;
+        #pragma omp simd
+        for (int64_t d = 0; d < dim; d++) dst[d] = src[d] * p->scale_log2;
+        memset(w->acc + r * dim, 0, (size_t)dim * sizeof(float));
+        w->running_max[r] = -1e30f; /* finite: the first update's correction underflows to 0 */
+        w->running_sum[r] = 0.0f;
+        w->last_key[r] = context + first_query + r / group;
+    }
+
+    const int64_t *table = p->block_tables + req * p->block_tables_stride;
+    const int64_t key_end = context + first_query + tile_len; /* the last row's bound, plus one */
+    const float *keys[KEY_CHUNK], *values[KEY_CHUNK];
+    for (int64_t chunk = 0; chunk < key_end; chunk += KEY_CHUNK) {
+        int64_t chunk_len = key_end - chunk;
+        if (chunk_len > KEY_CHUNK) chunk_len = KEY_CHUNK;
+        for (int64_t j = 0; j < chunk_len; j++) {
+            const int64_t pos = chunk + j;
+            const int64_t offset = table[pos / p->block_size] * p->cache_stride_block
+                                   + (pos % p->block_size) * p->cache_stride_slot + kv_head * p->cache_stride_head;
+            keys[j] = p->key_cache + offset;
+            values[j] = p->value_cache + offset;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            /* Keys this row sees in this chunk (the rows of a tile end at successive keys). */
+            int64_t visible = w->last_key[r] - chunk + 1;
+            if (visible > chunk_len) visible = chunk_len;
+            if (visible <= 0) continue;
+            const float *query = w->queries + r * dim;
+            float *scores = w->scores[r];
+            float chunk_max = -1e30f;
+            for (int64_t j = 0; j < visible; j++) {
+                const float *key = keys[j];
+                float dot = 0.0f;
+                #pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < dim; d++) dot += query[d] * key[d];
+                scores[j] = dot;
+                chunk_max = dot > chunk_max ? dot : chunk_max;
+            }
+            const float old_max = w->running_max[r];
+            const float new_max = chunk_max > old_max ? chunk_max : old_max;
+            const float correction = exp2_nonpositive(old_max - new_max);
+            float chunk_sum = 0.0f;
+            #pragma omp simd reduction(+ : chunk_sum)
+            for (int64_t j = 0; j < visible; j++) {
+                scores[j] = exp2_nonpositive(scores[j] - new_max);
+                chunk_sum += scores[j];
+            }
+            w->running_max[r] = new_max;
+            w->running_sum[r] = w->running_sum[r] * correction + chunk_sum;
+            float *acc = w->acc + r * dim;
+            if (correction != 1.0f) {
+                #pragma omp simd
+                for (int64_t d = 0; d < dim; d++) acc[d] *= correction;
+            }
+            for (int64_t j = 0; j < visible; j++) {
+                const float weight = scores[j];
+                const float *value = values[j];
+                #pragma omp simd
+                for (int64_t d = 0; d < dim; d++) acc[d] += weight * value[d];
+            }
+        }
+    }
+
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = p->out + (q_start + first_query + r / group) * p->out_stride_token
+                     + (kv_head * group + r % group) * p->out_stride_head;
+        const float *acc = w->acc + r * dim;
+        const float inverse = 1.0f / w->running_sum[r]; /* >= 1: every row sees key 0 */
+        #pragma omp simd
+        for (int64_t d = 0; d < dim; d++) dst[d] = acc[d] * inverse;
+    }
+}
+
+/* The first work item of each request, [num_reqs + 1]: items are (tile, KV head) pairs. */
+static int64_t *plan_items(const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_queries,
+                           int64_t num_kv_heads) {
+    int64_t *first = malloc((size_t)(num_reqs + 1) * sizeof *first);
+    if (first == NULL) return NULL;
+    first[0] = 0;
+    for (int64_t i = 0; i < num_reqs; i++) {
+        const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+        first[i + 1] = first[i] + (q_len + tile_queries - 1) / tile_queries * num_kv_heads;
+    }
+    return first;
+}
+
+/* The request whose items include `item`: the last i with first[i] <= item. */
+static int64_t find_request(const int64_t *first, int64_t num_reqs, int64_t item) {
+    int64_t lo = 0, hi = num_reqs;
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (first[mid] <= item) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+/* out[T, heads, dim] = attention of q[T, heads, dim] over the paged caches; every float32 and
+ * head_dim contiguous. Returns OK, or an error code (nothing written). */
+int paged_attention_f32(
+    float *out, int64_t out_stride_token, int64_t out_stride_head,
+    const float *q, int64_t q_stride_token, int64_t q_stride_head,
+    const float *key_cache, const float *value_cache,
+    int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head,
+    const int64_t *block_tables, int64_t block_tables_stride,
+    const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_ROWS)
+        return BAD_HEADS;
+    if (head_dim <= 0 || head_dim * (num_heads / num_kv_heads) > ROW_FLOATS) return BAD_HEAD_DIM;
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t max_rows = ROW_FLOATS / head_dim;
+    if (max_rows > MAX_ROWS) max_rows = MAX_ROWS;
+    Problem p = {
+        .q = q, .key_cache = key_cache, .value_cache = value_cache, .out = out,
+        .q_stride_token = q_stride_token, .q_stride_head = q_stride_head,
+        .out_stride_token = out_stride_token, .out_stride_head = out_stride_head,
+        .cache_stride_block = cache_stride_block, .cache_stride_slot = cache_stride_slot,
+        .cache_stride_head = cache_stride_head,
+        .block_tables = block_tables, .query_start_loc = query_start_loc, .seq_lens = seq_lens,
+        .block_tables_stride = block_tables_stride, .num_kv_heads = num_kv_heads, .group = group,
+        .head_dim = head_dim, .block_size = block_size, .tile_queries = max_rows / group,
+        .scale_log2 = scale * LOG2E,
+    };
+    int64_t *first = plan_items(query_start_loc, num_reqs, p.tile_queries, num_kv_heads);
+    if (first == NULL) return OUT_OF_MEMORY;
+    const int64_t num_items = first[num_reqs];
+    int status = OK;
+
+    #pragma omp parallel num_threads(num_threads)
+    {
+        Workspace *w = malloc(sizeof *w);
+        float *rows = malloc(2 * (size_t)(max_rows * head_dim) * sizeof(float));
+        if (w == NULL || rows == NULL) {
+            #pragma omp atomic write
+            status = OUT_OF_MEMORY;
+        }
+        #pragma omp barrier
+        int ready;
+        #pragma omp atomic read
+        ready = status;
+        if (ready == OK) {
+            w->queries = rows;
+            w->acc = rows + max_rows * head_dim;
+            /* Items differ in cost (context lengths): hand them out one by one. */
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_items; item++) {
+                const int64_t req = find_request(first, num_reqs, item);
+                const int64_t local = item - first[req];
+                attend_tile(&p, w, req, local % num_kv_heads, local / num_kv_heads);
+            }
+        }
+        free(rows);
+        free(w);
+    }
+    free(first);
+    return status;
+}

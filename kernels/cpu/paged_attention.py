@@ -1,0 +1,78 @@
+"""The C paged-attention kernel (paged_attention.c) behind the signature of kernels/paged_attention.py.
+
+One call attends a whole packed step (decodes and prefill chunks) straight out of the paged
+cache. The tensors are passed as pointers with their strides, so q and out may be views (q is
+a slice of the fused QKV projection); only head_dim must be contiguous.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvpilot.kernels.cpu.build import load
+
+DTYPES = (torch.float32,)
+_ERRORS = {1: "the query heads do not group onto the KV heads (or over 64 share one)",
+           2: "head_dim is too large for the kernel's row buffer", 3: "out of memory"}
+
+
+@functools.cache
+def _kernel():
+    function = load("paged_attention").paged_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
+                         i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def build() -> None:
+    """Compiles (or finds in the cache) and loads the kernel now; raises KernelBuildError."""
+    _kernel()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [T, heads, head_dim]; key/value_cache: [num_blocks, block_size, kv_heads, head_dim];
+    block_tables, query_start_loc, seq_lens: int64 CPU tensors, as in kernels/paged_attention.py."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    tensors = (q, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the CPU paged-attention kernel takes CPU tensors only")
+    if q.dtype not in DTYPES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        raise ValueError(f"the CPU paged-attention kernel supports {[str(d) for d in DTYPES]}, "
+                         f"got q {q.dtype} and caches {key_cache.dtype}/{value_cache.dtype}")
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("the key and value caches need one layout with contiguous head_dim, and q too")
+    if any(t.dtype != torch.int64 for t in tensors[3:]) or block_tables.stride(-1) != 1 \
+            or query_start_loc.stride(0) != 1 or seq_lens.stride(0) != 1:
+        raise ValueError("block_tables, query_start_loc and seq_lens must be contiguous int64 rows")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_reqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] < num_reqs:
+        raise ValueError(f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries and block_tables "
+                         f"a row per request, got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must be shaped like q, with contiguous head_dim")
+    status = _kernel()(
+        out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
+        block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError(f"CPU paged attention: {_ERRORS.get(status, f'error {status}')} "
+                         f"(heads {num_heads}, kv_heads {num_kv_heads}, head_dim {head_dim})")
+    return out
