@@ -1,12 +1,14 @@
-"""Paged attention on a CPU: the torch backend against the other ways of computing it, side by side.
+"""Paged attention on a CPU: the kept backend against the other ways of computing it, side by side.
 
 One layer of the bench model's shapes (8 query heads, 2 KV heads, head_dim 32, blocks of 16):
 a decode step of `--num-reqs` requests with contexts of 96..320 tokens, and a step of prefill
 chunks (64 new tokens each after 0..192 cached). Each option writes nothing and reads the same
-cache; all are checked against the kept backend before timing. Runs are interleaved, min and
-median of `--repeats` runs of `--calls` calls each are reported in CPU time of this process
-(steadier than the wall clock on a shared machine; the work done, with one thread). The kept
-backend plans its step in every call here (in the engine: once per step, for every layer).
+cache; all are checked against the kept backend before timing. Kept: the `cpu` backend (the C
+kernel in kernels/cpu/, reading the pages in place); the torch backend is the first option.
+Runs are interleaved, min and median of `--repeats` runs of `--calls` calls each are reported in
+CPU time of this process (steadier than the wall clock on a shared machine; the work done, with
+one thread), the same ratios in wall-clock time beside them. The torch backend plans its step in
+every call here (in the engine: once per step, for every layer).
 
     .venv/bin/python bench/attention_options.py [--num-reqs 48] [--threads 1]
 """
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.runtime.core.sched.output import NewRequestData
-from kvpilot.runtime.layers.attention import TorchPagedAttention
+from kvpilot.runtime.layers.attention import CpuPagedAttention, TorchPagedAttention
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.worker.input_batch import InputBatch
 from kvpilot.runtime.worker.step_inputs import StepBuffers, StepInputs
@@ -51,13 +53,16 @@ def _step(rng: np.random.Generator, num_reqs: int, cached: tuple[int, int], new_
     return q, cache, metadata
 
 
-_KEPT = TorchPagedAttention()
+def _backend_call(backend):
+    def attend(q, cache, metadata, scale):
+        metadata.backend_plan = None  # plan once per call, as once per step
+        empty = torch.empty(0, KV_HEADS, HEAD_DIM)
+        return backend.forward(q, empty, empty, cache, _no_writes(metadata), scale)
+    return attend
 
 
-def kept(q, cache, metadata, scale):
-    metadata.backend_plan = None  # plan once per call, as once per step
-    return _KEPT.forward(q, torch.empty(0, KV_HEADS, HEAD_DIM), torch.empty(0, KV_HEADS, HEAD_DIM),
-                                         cache, _no_writes(metadata), scale)
+kept = _backend_call(CpuPagedAttention())
+torch_backend = _backend_call(TorchPagedAttention())
 
 
 def _no_writes(metadata):
@@ -152,15 +157,21 @@ def per_request_loop(q, cache, metadata, scale):
     return out
 
 
-def _time(options: dict, args_of, repeats: int, calls: int) -> dict[str, list[float]]:
-    seconds = {name: [] for name in options}
+def _time(options: dict, args_of, repeats: int, calls: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per call of each option, {"cpu": [...], "wall": [...]}, one entry per run."""
+    seconds = {name: {"cpu": [], "wall": []} for name in options}
     for _ in range(repeats):
         for name, fn in options.items():
-            start = time.process_time()
+            start_cpu, start_wall = time.process_time(), time.perf_counter()
             for _ in range(calls):
                 fn(*args_of)
-            seconds[name].append((time.process_time() - start) / calls)
+            seconds[name]["cpu"].append((time.process_time() - start_cpu) / calls)
+            seconds[name]["wall"].append((time.perf_counter() - start_wall) / calls)
     return seconds
+
+
+def _min_median(runs: list[float]) -> tuple[float, float]:
+    return min(runs), statistics.median(runs)
 
 
 def main() -> None:
@@ -177,28 +188,36 @@ def main() -> None:
     workloads = {
         f"decode, {args.num_reqs} requests, contexts 96..320": (
             _step(rng, args.num_reqs, (95, 319), 1),
-            {"advanced index + SDPA (GQA repeat)": advanced_index_sdpa_gqa,
+            {"torch backend (index_select pages + grouped-query SDPA)": torch_backend,
+             "advanced index + SDPA (GQA repeat)": advanced_index_sdpa_gqa,
              "index_select + SDPA (GQA repeat)": index_select_sdpa_gqa,
              "index_select + matmul/softmax/matmul": index_select_matmul,
              "block-wise online softmax": blockwise_online_softmax}),
         f"prefill, {args.num_prefills} chunks of 64 after 0..192 cached": (
-            _step(rng, args.num_prefills, (0, 192), 64), {"one SDPA call per request (before)": per_request_loop}),
+            _step(rng, args.num_prefills, (0, 192), 64),
+            {"torch backend (index_select pages + grouped-query SDPA)": torch_backend,
+             "one SDPA call per request": per_request_loop}),
     }
-    print(f"torch threads: {torch.get_num_threads()}; CPU ms per layer call, min / median of {args.repeats} runs")
+    print(f"torch threads: {torch.get_num_threads()}; ms per layer call, min / median of {args.repeats} runs "
+          f"of {args.calls} calls")
     print()
-    print("| workload | kept: index_select pages + grouped-query SDPA, batched | option | kept vs option |")
-    print("|---|---|---|---|")
+    print("| workload | kept: cpu backend (C kernel), CPU ms | option, CPU ms | option / kept, CPU time | "
+          "same, wall clock |")
+    print("|---|---|---|---|---|")
     for workload, ((q, cache, metadata), options) in workloads.items():
         expected = kept(q, cache, metadata, scale)
         for fn in options.values():
             torch.testing.assert_close(fn(q, cache, metadata, scale), expected, rtol=1e-4, atol=1e-4)
         seconds = _time({"kept": kept, **options}, (q, cache, metadata, scale), args.repeats, args.calls)
-        ours = min(seconds["kept"]), statistics.median(seconds["kept"])
+        ours = {clock: _min_median(runs) for clock, runs in seconds["kept"].items()}
         for name in options:
-            theirs = min(seconds[name]), statistics.median(seconds[name])
-            print(f"| {workload} | {ours[0] * 1e3:.3f} / {ours[1] * 1e3:.3f} | {name}: "
-                  f"{theirs[0] * 1e3:.3f} / {theirs[1] * 1e3:.3f} | "
-                  f"{theirs[0] / ours[0]:.2f}x / {theirs[1] / ours[1]:.2f}x |", flush=True)
+            theirs = {clock: _min_median(runs) for clock, runs in seconds[name].items()}
+            ratios = {clock: (theirs[clock][0] / ours[clock][0], theirs[clock][1] / ours[clock][1])
+                      for clock in ours}
+            print(f"| {workload} | {ours['cpu'][0] * 1e3:.3f} / {ours['cpu'][1] * 1e3:.3f} | {name}: "
+                  f"{theirs['cpu'][0] * 1e3:.3f} / {theirs['cpu'][1] * 1e3:.3f} | "
+                  f"{ratios['cpu'][0]:.2f}x / {ratios['cpu'][1]:.2f}x | "
+                  f"{ratios['wall'][0]:.2f}x / {ratios['wall'][1]:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,14 +66,122 @@ typedef struct {
 } Problem;
 
 typedef struct {
-    float *queries, *acc;           /* [rows][head_dim] */
+    float *queries, *acc, *keys_t;  /* [rows][head_dim], [rows][head_dim], [head_dim][KEY_CHUNK] */
     float scores[MAX_ROWS][KEY_CHUNK];
     float running_max[MAX_ROWS], running_sum[MAX_ROWS];
     int64_t last_key[MAX_ROWS];     /* the last key each row sees */
 } Workspace;
 
-static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_head, int64_t tile) {
-    const int64_t dim = p->head_dim, group = p->group;
+/* Vectors of 16 floats (GNU C vector extensions, which gcc and clang share): the compiler maps
+ * them onto whatever the machine has (one AVX-512 register, two AVX2 ones, four NEON ones).
+ * Written out rather than left to the auto-vectoriser, which turned these loops into gathers and
+ * chains of scalar adds. */
+#define LANES 16
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float half_vec __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float quarter_vec __attribute__((vector_size(LANES / 4 * sizeof(float))));
+
+static inline vec load(const float *from) {
+    vec v;
+    memcpy(&v, from, sizeof v); /* an unaligned vector load */
+    return v;
+}
+
+static inline void store(float *to, vec v) { memcpy(to, &v, sizeof v); }
+
+/* The sum of the lanes, by halving (a tree, not a chain of dependent adds). */
+static inline float sum_lanes(vec v) {
+    half_vec lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    const half_vec h = lo + hi;
+    quarter_vec qlo, qhi;
+    memcpy(&qlo, &h, sizeof qlo);
+    memcpy(&qhi, (const char *)&h + sizeof qlo, sizeof qhi);
+    const quarter_vec q = qlo + qhi;
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* query . key over dim floats. */
+static inline __attribute__((always_inline)) float dot(const float *restrict query, const float *restrict key,
+                                                       const int64_t dim) {
+    vec lanes = {0};
+    int64_t d = 0;
+    for (; d + LANES <= dim; d += LANES) lanes += load(query + d) * load(key + d);
+    float sum = sum_lanes(lanes);
+    for (; d < dim; d++) sum += query[d] * key[d];
+    return sum;
+}
+
+/* Vectors of an accumulator updated at once: independent chains of multiply-adds (one
+ * dependent chain per vector is bound by the adds' latency), and dims up to 128 in registers. */
+#define MAX_SLICES 8
+
+/* acc = acc * correction + sum_j weights[j] * values[j]. Even and odd keys go into separate
+ * accumulators, for twice the independent chains. */
+static inline __attribute__((always_inline)) void accumulate(float *restrict acc, const float correction,
+                                                             const float *restrict weights,
+                                                             const float *const *values, const int64_t count,
+                                                             const int64_t dim) {
+    const int64_t vector_dim = dim / LANES * LANES;
+    for (int64_t d0 = 0; d0 < vector_dim; d0 += MAX_SLICES * LANES) {
+        const int64_t slices = (vector_dim - d0) / LANES < MAX_SLICES ? (vector_dim - d0) / LANES : MAX_SLICES;
+        vec even[MAX_SLICES], odd[MAX_SLICES];
+        for (int64_t s = 0; s < slices; s++) {
+            even[s] = load(acc + d0 + s * LANES) * correction;
+            odd[s] = (vec){0};
+        }
+        int64_t j = 0;
+        for (; j + 1 < count; j += 2) {
+            const float *first = values[j] + d0, *second = values[j + 1] + d0;
+            for (int64_t s = 0; s < slices; s++) {
+                even[s] += weights[j] * load(first + s * LANES);
+                odd[s] += weights[j + 1] * load(second + s * LANES);
+            }
+        }
+        for (; j < count; j++)
+            for (int64_t s = 0; s < slices; s++) even[s] += weights[j] * load(values[j] + d0 + s * LANES);
+        for (int64_t s = 0; s < slices; s++) store(acc + d0 + s * LANES, even[s] + odd[s]);
+    }
+    for (int64_t d = vector_dim; d < dim; d++) {
+        float sum = acc[d] * correction;
+        for (int64_t j = 0; j < count; j++) sum += weights[j] * values[j][d];
+        acc[d] = sum;
+    }
+}
+
+/* Rows scored together from the transposed keys: each row's KEY_CHUNK / LANES vectors are
+ * separate chains, so SCORE_ROWS rows keep several multiply-adds in flight. */
+#define SCORE_ROWS 4
+
+/* scores[r][0 : KEY_CHUNK] = queries[r] . keys_t[:, j] for `count` <= SCORE_ROWS rows. */
+static inline __attribute__((always_inline)) void score_rows(const float *restrict queries,
+                                                             const float *restrict keys_t,
+                                                             float (*restrict scores)[KEY_CHUNK], const int64_t count,
+                                                             const int64_t dim) {
+    vec sums[SCORE_ROWS][KEY_CHUNK / LANES] = {{{0}}};
+    for (int64_t d = 0; d < dim; d++) {
+        vec column[KEY_CHUNK / LANES];
+        for (int b = 0; b < KEY_CHUNK / LANES; b++) column[b] = load(keys_t + d * KEY_CHUNK + b * LANES);
+        for (int64_t r = 0; r < count; r++) {
+            const float qd = queries[r * dim + d];
+            for (int b = 0; b < KEY_CHUNK / LANES; b++) sums[r][b] += qd * column[b];
+        }
+    }
+    for (int64_t r = 0; r < count; r++)
+        for (int b = 0; b < KEY_CHUNK / LANES; b++) store(scores[r] + b * LANES, sums[r][b]);
+}
+
+/* Tiles of at least this many rows score a chunk from a transposed copy of its keys: a rank-1
+ * update per dimension, vectorised over the chunk's keys. Fewer rows (decodes: one query per
+ * head of the group) dot each key row directly, since the copy would cost as much as the dots. */
+#define TRANSPOSE_MIN_ROWS 8
+
+/* One work item. Inlined into a copy per common head_dim (attend_tile below), so that the loops
+ * over head_dim have a constant trip count and unroll into whole vectors. */
+static inline __attribute__((always_inline)) void attend_tile_dim(
+    const Problem *p, Workspace *w, int64_t req, int64_t kv_head, int64_t tile, const int64_t dim) {
+    const int64_t group = p->group;
     const int64_t q_start = p->query_start_loc[req];
     const int64_t q_len = p->query_start_loc[req + 1] - q_start;
     const int64_t context = p->seq_lens[req] - q_len;
@@ -81,15 +189,16 @@ static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_
     int64_t tile_len = q_len - first_query;
     if (tile_len > p->tile_queries) tile_len = p->tile_queries;
     const int64_t rows = tile_len * group;
+    float *restrict queries = w->queries, *restrict accs = w->acc, *restrict keys_t = w->keys_t;
 
     /* Row r is query first_query + r / group, head kv_head * group + r % group. */
     for (int64_t r = 0; r < rows; r++) {
         const float *src = p->q + (q_start + first_query + r / group) * p->q_stride_token
                            + (kv_head * group + r % group) * p->q_stride_head;
-        float *dst = w->queries + r * dim;
-        #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) dst[d] = src[d] * p->scale_log2;
-        memset(w->acc + r * dim, 0, (size_t)dim * sizeof(float));
+        for (int64_t d = 0; d < dim; d++) {
+            queries[r * dim + d] = src[d] * p->scale_log2;
+            accs[r * dim + d] = 0.0f;
+        }
         w->running_max[r] = -1e30f; /* finite: the first update's correction underflows to 0 */
         w->running_sum[r] = 0.0f;
         w->last_key[r] = context + first_query + r / group;
@@ -97,6 +206,7 @@ static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_
 
     const int64_t *table = p->block_tables + req * p->block_tables_stride;
     const int64_t key_end = context + first_query + tile_len; /* the last row's bound, plus one */
+    const int transpose = rows >= TRANSPOSE_MIN_ROWS;
     const float *keys[KEY_CHUNK], *values[KEY_CHUNK];
     for (int64_t chunk = 0; chunk < key_end; chunk += KEY_CHUNK) {
         int64_t chunk_len = key_end - chunk;
@@ -108,22 +218,23 @@ static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_
             keys[j] = p->key_cache + offset;
             values[j] = p->value_cache + offset;
         }
+        if (transpose) {
+            /* Columns past chunk_len keep older (finite) keys; their scores are never used. */
+            for (int64_t j = 0; j < chunk_len; j++)
+                for (int64_t d = 0; d < dim; d++) keys_t[d * KEY_CHUNK + j] = keys[j][d];
+            for (int64_t r = 0; r < rows; r += SCORE_ROWS)
+                score_rows(queries + r * dim, keys_t, w->scores + r, rows - r < SCORE_ROWS ? rows - r : SCORE_ROWS, dim);
+        }
         for (int64_t r = 0; r < rows; r++) {
             /* Keys this row sees in this chunk (the rows of a tile end at successive keys). */
             int64_t visible = w->last_key[r] - chunk + 1;
             if (visible > chunk_len) visible = chunk_len;
             if (visible <= 0) continue;
-            const float *query = w->queries + r * dim;
-            float *scores = w->scores[r];
+            float *restrict scores = w->scores[r];
+            if (!transpose)
+                for (int64_t j = 0; j < visible; j++) scores[j] = dot(queries + r * dim, keys[j], dim);
             float chunk_max = -1e30f;
-            for (int64_t j = 0; j < visible; j++) {
-                const float *key = keys[j];
-                float dot = 0.0f;
-                #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += query[d] * key[d];
-                scores[j] = dot;
-                chunk_max = dot > chunk_max ? dot : chunk_max;
-            }
+            for (int64_t j = 0; j < visible; j++) chunk_max = scores[j] > chunk_max ? scores[j] : chunk_max;
             const float old_max = w->running_max[r];
             const float new_max = chunk_max > old_max ? chunk_max : old_max;
             const float correction = exp2_nonpositive(old_max - new_max);
@@ -135,27 +246,24 @@ static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_
             }
             w->running_max[r] = new_max;
             w->running_sum[r] = w->running_sum[r] * correction + chunk_sum;
-            float *acc = w->acc + r * dim;
-            if (correction != 1.0f) {
-                #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) acc[d] *= correction;
-            }
-            for (int64_t j = 0; j < visible; j++) {
-                const float weight = scores[j];
-                const float *value = values[j];
-                #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) acc[d] += weight * value[d];
-            }
+            accumulate(accs + r * dim, correction, scores, values, visible, dim);
         }
     }
 
     for (int64_t r = 0; r < rows; r++) {
         float *dst = p->out + (q_start + first_query + r / group) * p->out_stride_token
                      + (kv_head * group + r % group) * p->out_stride_head;
-        const float *acc = w->acc + r * dim;
         const float inverse = 1.0f / w->running_sum[r]; /* >= 1: every row sees key 0 */
-        #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) dst[d] = acc[d] * inverse;
+        for (int64_t d = 0; d < dim; d++) dst[d] = accs[r * dim + d] * inverse;
+    }
+}
+
+static void attend_tile(const Problem *p, Workspace *w, int64_t req, int64_t kv_head, int64_t tile) {
+    switch (p->head_dim) {
+    case 32: attend_tile_dim(p, w, req, kv_head, tile, 32); break;
+    case 64: attend_tile_dim(p, w, req, kv_head, tile, 64); break;
+    case 128: attend_tile_dim(p, w, req, kv_head, tile, 128); break;
+    default: attend_tile_dim(p, w, req, kv_head, tile, p->head_dim);
     }
 }
 
@@ -218,7 +326,7 @@ int paged_attention_f32(
     #pragma omp parallel num_threads(num_threads)
     {
         Workspace *w = malloc(sizeof *w);
-        float *rows = malloc(2 * (size_t)(max_rows * head_dim) * sizeof(float));
+        float *rows = calloc((size_t)(2 * max_rows + KEY_CHUNK) * (size_t)head_dim, sizeof(float));
         if (w == NULL || rows == NULL) {
             #pragma omp atomic write
             status = OUT_OF_MEMORY;
@@ -230,6 +338,7 @@ int paged_attention_f32(
         if (ready == OK) {
             w->queries = rows;
             w->acc = rows + max_rows * head_dim;
+            w->keys_t = rows + 2 * max_rows * head_dim;
             /* Items differ in cost (context lengths): hand them out one by one. */
             #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < num_items; item++) {
