@@ -41,6 +41,9 @@ ENGINE_CONFIGS = {
     "block_size_4": {"block_size": 4},
     "long_prefill_threshold": {"long_prefill_token_threshold": 24, "max_num_seqs": 3},
     "enforce_eager": {"enforce_eager": True},
+    # `auto` is the C kernel on a CPU: the torch reference backend keeps its own parity run, on
+    # steps that mix decodes with prefill chunks over small blocks.
+    "torch_backend": {"attention_backend": "torch", "max_num_batched_tokens": 16, "block_size": 4},
 }
 
 

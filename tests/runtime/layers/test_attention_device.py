@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from kvpilot.runtime.config import EngineArgs
 from kvpilot.runtime.core.sched.output import NewRequestData
-from kvpilot.runtime.layers.attention import TorchPagedAttention, TritonPagedAttention
+from kvpilot.runtime.layers.attention import (CpuPagedAttention, TorchPagedAttention, TritonPagedAttention,
+                                             resolve_attention_backend)
 from kvpilot.runtime.models.loader import load_model
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.worker.input_batch import InputBatch
@@ -56,6 +57,19 @@ def test_the_torch_backend_keeps_every_tensor_on_the_step_device(padded_reqs):
     kv_cache = torch.empty(2, 8, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=META)
     out = TorchPagedAttention().forward(q, k, v, kv_cache, metadata, scale=HEAD_DIM**-0.5)
     assert out.device == META and out.shape == q.shape
+
+
+def test_the_cpu_backend_is_never_chosen_for_another_device_and_refuses_its_tensors():
+    """The C kernel reads host memory through raw pointers: `auto` does not pick it off a CPU, and
+    handed device tensors anyway it refuses them rather than dereferencing them."""
+    assert resolve_attention_backend("auto", META.type) == "torch"
+    _, (input_ids, _, metadata) = _mixed_step()
+    num_tokens = input_ids.shape[0]
+    q = torch.empty(num_tokens, HEADS, HEAD_DIM, device=META)
+    k = v = torch.empty(num_tokens, KV_HEADS, HEAD_DIM, device=META)
+    kv_cache = torch.empty(2, 8, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=META)
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        CpuPagedAttention().forward(q, k, v, kv_cache, metadata, scale=1.0)
 
 
 def test_the_triton_backend_hands_its_kernels_device_tensors_only():
