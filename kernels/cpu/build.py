@@ -97,8 +97,12 @@ def _cpu_identity() -> bytes:
 def _compile(compiler: list[str], source: Path, target: Path) -> None:
     """Compiles into a temporary name beside the target, then renames: processes building the
     same library at once each rename a whole file, and a reader never sees a partial one."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
+    except OSError as error:
+        raise KernelBuildError(f"cannot write the kernel cache folder {target.parent} ({error}): "
+                               f"point ${CACHE_ENV} at a writable one") from error
     os.close(fd)
     try:
         command = [*compiler, *FLAGS, "-o", scratch, str(source), "-lm"]

@@ -14,9 +14,11 @@
  * and keys past a row's bound (or past the context, where the null block pads the table) are
  * never read.
  *
- * Vectorisation is left to the compiler (-O3 -march=native): the inner loops run over head_dim or
- * over a chunk's keys with OpenMP simd reductions, which allow reordering a sum without
- * -ffast-math. exp2 is a polynomial the compiler can vectorise (libm's expf is a scalar call).
+ * Scores: a decode tile (few rows) dots each key row with each query row; a prefill tile copies
+ * the chunk's keys transposed once and scores four rows at a time against it (multiply-adds
+ * vectorised over the keys). Values are accumulated a whole row of head_dim at a time. The
+ * vectors are written with GNU C vector extensions (below); exp2 is a polynomial the compiler
+ * vectorises (libm's expf is a scalar call). No -ffast-math: sums keep float32 semantics.
  */
 
 #include <stdint.h>
@@ -199,7 +201,7 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
             queries[r * dim + d] = src[d] * p->scale_log2;
             accs[r * dim + d] = 0.0f;
         }
-        w->running_max[r] = -1e30f; /* finite: the first update's correction underflows to 0 */
+        w->running_max[r] = -1e30f; /* finite: the first update's correction is ~0, times zeros */
         w->running_sum[r] = 0.0f;
         w->last_key[r] = context + first_query + r / group;
     }

@@ -40,3 +40,11 @@ def test_no_compiler_is_a_clear_error(sources, monkeypatch):
     monkeypatch.setenv(build.CC_ENV, "no-such-cc")
     with pytest.raises(build.KernelBuildError, match="no C compiler: 'no-such-cc' is not on PATH"):
         build.load("seven")
+
+
+def test_an_unwritable_cache_is_a_clear_error(sources, monkeypatch):
+    (sources / "seven.c").write_text("int seven(void) { return 7; }\n")
+    (sources / "file").write_text("")
+    monkeypatch.setenv(build.CACHE_ENV, str(sources / "file" / "cache"))
+    with pytest.raises(build.KernelBuildError, match="cannot write the kernel cache folder"):
+        build.load("seven")
