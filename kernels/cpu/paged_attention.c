@@ -91,8 +91,14 @@ static inline vec load(const float *from) {
 
 static inline void store(float *to, vec v) { memcpy(to, &v, sizeof v); }
 
-/* The sum of the lanes, by halving (a tree, not a chain of dependent adds). */
+/* The sum of the lanes, by halving: a tree, not a chain of dependent adds, and in registers
+ * where the compiler has __builtin_shufflevector (clang, gcc 12+); through memory otherwise. */
 static inline float sum_lanes(vec v) {
+#if defined(__clang__) || __GNUC__ >= 12
+    const half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+                       + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#else
     half_vec lo, hi;
     memcpy(&lo, &v, sizeof lo);
     memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
@@ -101,6 +107,7 @@ static inline float sum_lanes(vec v) {
     memcpy(&qlo, &h, sizeof qlo);
     memcpy(&qhi, (const char *)&h + sizeof qlo, sizeof qhi);
     const quarter_vec q = qlo + qhi;
+#endif
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
