@@ -33,45 +33,51 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
-                 use_triton: bool = False) -> None:
+                 kernels: str = "torch") -> None:
+        """`kernels`: the attention backend's name, as for RMSNorm."""
         super().__init__()
         freqs = torch.arange(max_position).float()[:, None] * inverse_frequencies(head_dim, theta, scaling)
         # Both halves of the head share each frequency.
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-        self._triton = None
         # The torch path's tables for the last positions seen: every layer of one step passes the
         # same positions tensor, so they are gathered once per step (a new step is a new tensor).
         self._positions: torch.Tensor | None = None
         self._angles: tuple[torch.Tensor, torch.Tensor] | None = None
-        if use_triton:
-            # Imported here: torch-only engines load no Triton.
+        self._triton = self._cpu = None
+        # Imported here: a torch-only engine loads no Triton and builds no C.
+        if kernels == "triton":
             from kvpilot.kernels.rotary import rotary_embedding
 
             self._triton = rotary_embedding
+        elif kernels == "cpu":
+            from kvpilot.kernels.cpu.fused_ops import rotary_embedding
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T].
+            self._cpu = rotary_embedding
 
-        The Triton kernel rotates q and k in place (they may be views of one projection output)
-        from the first half of the tables, which holds each angle once.
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_heads: int) -> None:
+        """Rotates qk [T, heads + kv_heads, head_dim] in place: each token's query heads, then its
+        key heads (in the model, views of the fused QKV projection's output); positions: [T].
+
+        Both paths read the first half of the tables, which holds each angle once; the torch path
+        rotates every head with the same few ops (the rotation does not depend on the head).
         """
+        half = qk.shape[-1] // 2
         if self._triton is not None:
-            half = q.shape[-1] // 2
-            self._triton(positions, q, k, self.cos[:, :half], self.sin[:, :half])
-            return q, k
-        if positions is not self._positions or self._angles[0].dtype != q.dtype:
-            half = q.shape[-1] // 2
-            # [T, 1 (heads), 1 (halves), half]: the same angles rotate both halves of every head.
-            self._angles = tuple(table[positions, None, None, :half].to(q.dtype) for table in (self.cos, self.sin))
+            self._triton(positions, qk[:, :num_heads], qk[:, num_heads:], self.cos[:, :half], self.sin[:, :half])
+            return
+        if self._cpu is not None and qk.dtype == torch.float32:
+            self._cpu(positions, qk, self.cos, self.sin)
+            return
+        if positions is not self._positions or self._angles[0].dtype != qk.dtype:
+            # [T, 1 (heads), half]: the same angles rotate both halves of every head.
+            self._angles = tuple(table[positions, None, :half].to(qk.dtype) for table in (self.cos, self.sin))
             self._positions = positions
         cos, sin = self._angles
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the halves of each head as one axis."""
-    halves = x.unflatten(-1, (2, -1))
-    rotated = torch.stack((-halves[..., 1, :], halves[..., 0, :]), dim=-2)
-    return (halves * cos + rotated * sin).flatten(-2)
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): each product rounded as the reference's
+        # x * cos + rotate_half(x) * sin rounds it, so the result is bitwise the same.
+        x1, x2 = qk[..., :half], qk[..., half:]
+        x2_sin, x1_sin = x2 * sin, x1 * sin
+        x1.mul_(cos).sub_(x2_sin)
+        x2.mul_(cos).add_(x1_sin)

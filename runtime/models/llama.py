@@ -50,12 +50,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(
-            positions,
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-        )
+        qkv = self.qkv_proj(hidden)
+        # The query and key heads sit side by side in each row: one in-place rotation for both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        self.rotary(positions, qk, self.num_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
@@ -78,9 +77,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
         self.mlp = LlamaMLP(config)
-        triton = backend.name == "triton"
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, triton)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, triton)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, backend.name)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype,
+                                                backend.name)
 
     def forward(self, positions, hidden, residual, metadata):
         """Returns this layer's output and the residual stream before it; their sum is the stream after."""
@@ -97,15 +96,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        # The triton backend brings the other Triton kernels along: RoPE and the fused RMSNorm.
-        triton = backend.name == "triton"
+        # The attention backend brings its family's other kernels along (RoPE and the fused
+        # RMSNorm: Triton's, or the C ones of the cpu backend).
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                 config.rope_theta, config.rope_scaling, triton)
+                                 config.rope_theta, config.rope_scaling, backend.name)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.torch_dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, triton)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, backend.name)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

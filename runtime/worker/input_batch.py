@@ -100,8 +100,12 @@ class InputBatch:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
 
     def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
+        self.append_tokens(np.array([row]), [token_id])
+
+    def append_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """One new token at the end of each of `rows` (distinct rows)."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
 
     def condense(self) -> None:
         """Fill the holes left by removed rows with the rows at the tail."""

@@ -95,29 +95,40 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(step, hidden)
 
         # A request samples only once every token it has is computed; a partial prefill chunk does not.
-        done = step.seq_lens == self.batch.num_tokens[step.rows]
-        sample_idx = np.flatnonzero(done)
+        sample_idx = np.flatnonzero(step.seq_lens == self.batch.num_tokens[step.rows])
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(step.req_ids)
         if len(sample_idx):
-            last_token = _tensor(step.query_start_loc[1:][sample_idx] - 1, self.device)
-            logits = self.model.compute_logits(hidden[last_token])
-            sample_ids = [step.req_ids[i] for i in sample_idx]
-            metadata = self._sampling_metadata(step.rows[sample_idx], sample_ids)
-            metadata.grammar_bitmask = self._grammar_bitmask(scheduler_output.grammar_bitmask, sample_ids)
-            output = self.sampler(logits, metadata, self.generator)
-            self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
-            tokens = output.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_idx):
-                sampled[i] = [tokens[j]]
-                self.batch.append_token(step.rows[i], tokens[j])
-                num = self.batch.num_logprobs.get(step.req_ids[i])
-                if num is not None and output.logprobs is not None:
-                    logprobs[i] = [_row_logprobs(output.logprobs, j, num)]
+            self._sample(step, hidden, sample_idx, scheduler_output.grammar_bitmask, sampled, logprobs)
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray,
+                grammar: GrammarBitmask | None, sampled: list, logprobs: list) -> None:
+        """Samples the requests at `sample_idx` (of the step), filling their entries of `sampled`
+        and `logprobs`, and appends their tokens to the batch."""
+        every_row = len(sample_idx) == step.num_tokens
+        if not every_row:
+            # Only the rows that sample reach the LM head (a pure decode step samples every row).
+            hidden = hidden[_tensor(step.query_start_loc[1:][sample_idx] - 1, self.device)]
+        logits = self.model.compute_logits(hidden)
+        sample_ids = step.req_ids if every_row else [step.req_ids[i] for i in sample_idx]
+        sample_rows = step.rows[sample_idx]
+        metadata = self._sampling_metadata(sample_rows, sample_ids)
+        metadata.grammar_bitmask = self._grammar_bitmask(grammar, sample_ids)
+        output = self.sampler(logits, metadata, self.generator)
+        self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
+        tokens = output.sampled_token_ids.tolist()
+        self.batch.append_tokens(sample_rows, tokens)
+        for j, i in enumerate(sample_idx.tolist()):
+            sampled[i].append(tokens[j])
+        if output.logprobs is not None:
+            for j, i in enumerate(sample_idx):
+                num = self.batch.num_logprobs.get(step.req_ids[i])
+                if num is not None:
+                    logprobs[i] = [_row_logprobs(output.logprobs, j, num)]
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The final hidden states of the step's tokens; padding rows, if any, are cut off."""
@@ -146,13 +157,16 @@ class ModelRunner:
         temperature = self.batch.temperature[rows]
         top_k, top_p, min_p = self.batch.top_k[rows], self.batch.top_p[rows], self.batch.min_p[rows]
         greedy = temperature < GREEDY_TEMPERATURE
-        asked = [self.batch.num_logprobs[r] for r in req_ids if r in self.batch.num_logprobs]
+        # The per-request lookups run only while some request in the batch uses them.
+        asked = [self.batch.num_logprobs[r] for r in req_ids if r in self.batch.num_logprobs] \
+            if self.batch.num_logprobs else []
+        generators = self.batch.generators
         return SamplingMetadata(
             temperature=_tensor(temperature, self.device),
             top_k=_tensor(top_k, self.device) if (top_k > 0).any() else None,
             top_p=_tensor(top_p, self.device) if (top_p < 1).any() else None,
             min_p=_tensor(min_p, self.device) if (min_p > 0).any() else None,
-            generators={i: self.batch.generators[r] for i, r in enumerate(req_ids) if r in self.batch.generators},
+            generators={i: generators[r] for i, r in enumerate(req_ids) if r in generators} if generators else {},
             max_num_logprobs=max(asked) if asked else None,
             adjustments=self.logits_state.adjustments(req_ids, lambda i: self.batch.output_token_ids(rows[i])),
             all_greedy=bool(greedy.all()),
@@ -172,6 +186,8 @@ class ModelRunner:
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Logprobs of each prompt token given the ones before it, for this step's chunk of the prompt."""
         chunks: dict[str, PromptLogprobsChunk] = {}
+        if not self.batch.num_prompt_logprobs:
+            return chunks
         for i, req_id in enumerate(step.req_ids):
             num = self.batch.num_prompt_logprobs.get(req_id)
             if num is None:

@@ -19,7 +19,9 @@ def test_in_place_rotation(num_heads, num_kv_heads, head_dim, dtype):
     cos, sin = rope.cos[:, : head_dim // 2], rope.sin[:, : head_dim // 2]
     positions = torch.randint(0, 64, (9,), generator=gen).to(DEVICE)
     q, k = randn(9, num_heads, head_dim, gen=gen, dtype=dtype), randn(9, num_kv_heads, head_dim, gen=gen, dtype=dtype)
-    q_model, k_model = rope(positions, q.float(), k.float())
+    qk_model = torch.cat((q, k), dim=1).float()
+    rope(positions, qk_model, num_heads)
+    q_model, k_model = qk_model[:, :num_heads], qk_model[:, num_heads:]
     q_ref, k_ref = q.clone(), k.clone()
     rotary_embedding_reference(positions, q_ref, k_ref, cos, sin)
     rotary_embedding(positions, q, k, cos, sin)

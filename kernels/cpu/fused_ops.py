@@ -1,0 +1,76 @@
+"""RMSNorm (fused with the residual add) and the rotary embedding in C (fused_ops.c), float32.
+
+The decoder layers run them when the attention backend is `cpu`: one call each instead of the
+torch path's several ops (each a dispatch and a pass over memory, which at decode sizes costs
+more than the arithmetic). Their torch references are the model layers' own torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvpilot.kernels.cpu.build import load
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    library = load("fused_ops")
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    library.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]
+    library.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i32]
+    library.rms_norm_f32.restype = None
+    library.rotary_f32.restype = ctypes.c_int
+    return library
+
+
+def build() -> None:
+    """Compiles (or finds in the cache) and loads the library now; raises KernelBuildError."""
+    _library()
+
+
+def _check_rows(name: str, tensor: torch.Tensor, dims: int) -> None:
+    if not tensor.is_cpu or tensor.dtype != torch.float32 or tensor.dim() != dims or tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be a float32 CPU tensor of {dims} dimensions with a contiguous last "
+                         f"dimension, got {tensor.dtype} {tuple(tensor.shape)} strides {tensor.stride()} "
+                         f"on {tensor.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, hidden]. Returns weight * normalised x in a new tensor; or, given a residual
+    [T, hidden], adds x into it in place, then normalises the sum into x itself and returns x (the
+    decoder layers drop their x once it is in the residual stream: no new tensor per call)."""
+    _check_rows("x", x, 2)
+    _check_rows("weight", weight, 1)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[0]} entries for a hidden size of {x.shape[1]}")
+    if residual is None:
+        out, residual_ptr, residual_stride = torch.empty(x.shape, dtype=x.dtype), None, 0
+    else:
+        _check_rows("residual", residual, 2)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must be shaped like x {tuple(x.shape)}")
+        out, residual_ptr, residual_stride = x, residual.data_ptr(), residual.stride(0)
+    _library().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), residual_ptr, residual_stride,
+                            weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x [T, heads, head_dim] in place (it may be a strided view); positions: [T] int64;
+    cos, sin: [max_position, >= head_dim / 2], of which the first half of each row is read."""
+    _check_rows("x", x, 3)
+    _check_rows("cos", cos, 2)
+    half = x.shape[2] // 2
+    if sin.stride() != cos.stride() or sin.shape != cos.shape or sin.dtype != cos.dtype or cos.shape[1] < half:
+        raise ValueError("cos and sin must share one shape and layout, with at least head_dim / 2 columns")
+    if positions.dtype != torch.int64 or positions.dim() != 1 or positions.stride(0) != 1 \
+            or positions.shape[0] != x.shape[0]:
+        raise ValueError("positions must be a contiguous int64 vector, one entry per token of x")
+    if _library().rotary_f32(
+        x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], half, positions.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0], torch.get_num_threads(),
+    ):
+        raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rotary tables' length)")
