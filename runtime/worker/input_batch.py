@@ -99,9 +99,6 @@ class InputBatch:
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.append_tokens(np.array([row]), [token_id])
-
     def append_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """One new token at the end of each of `rows` (distinct rows)."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids

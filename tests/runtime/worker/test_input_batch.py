@@ -87,10 +87,21 @@ def test_the_fingerprint_changes_with_a_row_or_its_progress():
     batch.add_request(_new("a", [1, 2], [1]))
     batch.add_request(_new("b", [3, 4], [2]))
     base = batch.layout_fingerprint()
-    batch.append_token(batch.row_of["b"], 9)
+    batch.append_tokens(np.array([batch.row_of["b"]]), [9])
     assert batch.layout_fingerprint() != base
 
     swapped = _batch()
     swapped.add_request(_new("b", [3, 4], [2]))
     swapped.add_request(_new("a", [1, 2], [1]))
     assert swapped.layout_fingerprint() != base
+
+
+def test_append_tokens_extends_each_row_by_one():
+    batch = _batch()
+    batch.add_request(_new("a", [1, 2], [1]))
+    batch.add_request(_new("b", [3, 4, 5], [2]))
+    rows = np.array([batch.row_of["b"], batch.row_of["a"]])
+    batch.append_tokens(rows, [7, 8])
+    assert batch.token_ids[batch.row_of["a"], :3].tolist() == [1, 2, 8]
+    assert batch.token_ids[batch.row_of["b"], :4].tolist() == [3, 4, 5, 7]
+    assert batch.num_tokens[rows].tolist() == [4, 3]
