@@ -9,7 +9,11 @@
 
 /* The reference rounds every product on its own (x * cos, then + or -): no fused multiply-add,
  * so the rotation is bitwise the torch path's. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 /* Below this many elements a parallel region costs more than it saves. */
 #define PARALLEL_MIN 65536

@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
 
             self._kernel = rms_norm
         elif kernels == "cpu" and dtype == torch.float32:
-            from kvpilot.kernels.cpu.fused_ops import rms_norm
+            from kvpilot.kernels.cpu.fused_ops import build, rms_norm
+
+            build()  # a missing compiler fails the model load, not its first step
 
             self._kernel = rms_norm
 

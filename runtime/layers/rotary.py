@@ -52,7 +52,9 @@ class RotaryEmbedding(nn.Module):
 
             self._triton = rotary_embedding
         elif kernels == "cpu":
-            from kvpilot.kernels.cpu.fused_ops import rotary_embedding
+            from kvpilot.kernels.cpu.fused_ops import build, rotary_embedding
+
+            build()  # a missing compiler fails the model load, not its first step
 
             self._cpu = rotary_embedding
 
