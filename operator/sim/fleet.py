@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,9 +28,8 @@ from kvpilot.operator.sim.strategies import ControlLoop
 from kvpilot.operator.sim.trace import Trace
 
 PENDING, SERVED, DROPPED, TIMED_OUT = 0, 1, 2, 3
-_STEP_END, _READY, _TICK = 0, 1, 2
-_CHUNK = 1 << 16  # arrivals turned into Python scalars this many at a time
 _STARTING, _RUNNING, _DRAINING, _GONE = 0, 1, 2, 3
+_END = sys.float_info.max  # after the last control event: every replica runs until it is idle
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,13 @@ def simulate(trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine, 
 
 
 class _Simulation:
+    """The fleet between control events. A Service's routing reads nothing of a replica's state,
+    and replicas share nothing else, so between two events that change the ready set (control
+    intervals, replicas getting ready) the arrivals are routed at once, in arrays, and each
+    replica then plays its own arrivals and steps up to that event, alone: one heap of control
+    events, no heap of replica events, and a replica with nothing to do before the next control
+    event is not visited (`due`: each replica's next step end, in one array)."""
+
     def __init__(self, trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine,
                  priorities: Sequence[int], seed: int, check_invariants: bool,
                  progress: Callable[[int], None] | None) -> None:
@@ -154,22 +161,26 @@ class _Simulation:
         self.loop = loop
         self.profile = profile
         self.engine = engine
-        self.priorities = [priorities[t] if t < len(priorities) else 0 for t in range(len(trace.tenants))]
-        self.route = np.random.default_rng(seed).random(count)
+        self.priorities = np.array([priorities[t] if t < len(priorities) else 0 for t in range(len(trace.tenants))],
+                                   np.int64)
+        self.rng = np.random.default_rng(seed)  # one draw per arrival, in arrival order: the Service's choice
         self.check = check_invariants
         self.progress = progress
         self.result = Run(loop.name, trace, np.full(count, math.nan), np.full(count, math.nan),
                           np.zeros(count, np.int8), Series())
         self.ledger = _Ledger(self.result)
-        self.events: list[tuple[float, int, int, int]] = []
+        self.readies: list[tuple[float, int]] = []  # heap of (when, replica) start-ups under way
         self.replicas: list[replica_model.Replica] = []
         self.state: list[int] = []
-        self.version: list[int] = []
+        self.due = np.full(16, math.inf)  # each replica's next step end; inf: idle or gone
+        self.born: list[float] = []  # when each replica was asked for, and when it went (inf: not yet)
+        self.died: list[float] = []
         self.ready: list[int] = []
         self.starting: list[int] = []
         self.draining: set[int] = set()
         self.policy = replica_model.FCFS
-        self.accounted_to = 0.0
+        self.arrived = 0  # arrivals routed so far (the trace is in time order)
+        self.steps = 0  # replica step (or decode run) ends handled, for the events count
 
     def run(self) -> Run:
         started, cpu = time.perf_counter(), time.process_time()
@@ -177,100 +188,121 @@ class _Simulation:
         trace = self.trace
         for _ in range(self.loop.replicas):
             self._ready(self._start(0.0))
-        heapq.heappush(self.events, (0.0, _TICK, -1, 0))
-        events = self.events
-        arrivals = len(trace)
-        handled = 0
-        index = 0  # of the chunk's first arrival
-        times: list[float] = []
-        position = 0
+        tick: float | None = 0.0
+        readies = self.readies
+        controls = 0
         while True:
-            if position == len(times) and index + position < arrivals:
-                # The next arrivals as Python scalars, a chunk at a time.
-                index += position
-                end = min(arrivals, index + _CHUNK)
-                times = trace.time[index:end].tolist()
-                prompts = trace.prompt[index:end].tolist()
-                outputs = trace.output[index:end].tolist()
-                tenants = trace.tenant[index:end].tolist()
-                routes = self.route[index:end].tolist()
-                position = 0
-                if self.progress is not None:
-                    self.progress(index)
-            arrival = times[position] if position < len(times) else math.inf
-            if events and events[0][0] < arrival:
-                when, kind, rid, version = heapq.heappop(events)
-                handled += 1
-                if kind == _STEP_END:
-                    if version == self.version[rid]:
-                        self._schedule(rid, self.replicas[rid].advance(when))
-                        if rid in self.draining and self.replicas[rid].empty():
-                            self._gone(rid, when)
-                elif kind == _READY:
-                    if version == self.version[rid] and self.state[rid] == _STARTING:
-                        self._ready(rid)
-                else:
-                    self._tick(when)
-            elif position < len(times):
-                self._arrive(index + position, arrival, prompts[position], outputs[position], tenants[position],
-                             routes[position])
-                position += 1
-            else:
+            # Arrivals at an event's time come before it, replicas' step ends at it too; then
+            # start-ups (in replica order), then the control interval.
+            upcoming = min(_END if tick is None else tick, readies[0][0] if readies else _END)
+            self._play_until(upcoming)
+            if upcoming == _END:
                 break
-        if self.progress is not None:
-            self.progress(arrivals)
-        self._account(trace.duration)
+            while readies and readies[0][0] == upcoming:
+                _, rid = heapq.heappop(readies)
+                controls += 1
+                if self.state[rid] == _STARTING:
+                    self._ready(rid)
+            if tick == upcoming:
+                controls += 1
+                self._tick(tick)
+                tick += self.loop.spec["autoscaling"]["intervalSeconds"]
+                if tick >= trace.duration:
+                    tick = None
         if self.check:
             self._check_ledger()
-        result.events = handled + arrivals
+        born, died = np.minimum(self.born, trace.duration), np.minimum(self.died, trace.duration)
+        result.replica_seconds = float(np.sum(died - born))
+        result.events = self.steps + controls + len(trace)
         result.preemptions = sum(r.preemptions for r in self.replicas)
         result.wall_seconds = time.perf_counter() - started
         result.cpu_seconds = time.process_time() - cpu
         return result
 
-    def _arrive(self, index: int, now: float, prompt: int, output: int, tenant: int, route: float) -> None:
-        ready = self.ready
-        if not ready:
-            self._drop(index, now)
-            return
-        rid = ready[int(route * len(ready))]
-        replica = self.replicas[rid]
-        if not replica.fits(prompt, output):
-            self._drop(index, now)
-            return
-        self.ledger.in_system += 1
-        request = replica_model.Request(index, now, prompt, output, self.priorities[tenant])
-        self._schedule(rid, replica.add(request, now))
+    def _play_until(self, until: float) -> None:
+        """Route the arrivals up to `until` (inclusive) and run every replica that has work to it."""
+        trace = self.trace
+        low = self.arrived
+        high = int(np.searchsorted(trace.time, until, side="right"))
+        self.arrived = high
+        visits: dict[int, list[replica_model.Request]] = {}
+        if high > low:
+            visits = self._route(low, high)
+            if self.progress is not None:
+                self.progress(high)
+        due = self.due
+        for rid in np.flatnonzero(due <= until).tolist():
+            visits.setdefault(rid, [])
+        replicas = self.replicas
+        for rid, arrivals in visits.items():
+            replica = replicas[rid]
+            self.steps += replica.play(arrivals, until)
+            due[rid] = replica.due
+            if rid in self.draining and replica.empty():
+                self._gone(rid, replica.clock)
 
-    def _drop(self, index: int, now: float) -> None:
-        self.result.outcome[index] = DROPPED
-        self.result.finish[index] = now
-
-    def _schedule(self, rid: int, when: float | None) -> None:
-        if when is not None:
-            self.version[rid] += 1
-            heapq.heappush(self.events, (when, _STEP_END, rid, self.version[rid]))
+    def _route(self, low: int, high: int) -> dict[int, list[replica_model.Request]]:
+        """Arrivals low..high-1 spread uniformly over the ready replicas, each given its own, in
+        time order; those no replica can take are dropped."""
+        trace = self.trace
+        result = self.result
+        draws = self.rng.random(high - low)
+        if not self.ready:
+            result.outcome[low:high] = DROPPED
+            result.finish[low:high] = trace.time[low:high]
+            return {}
+        prompt, output = trace.prompt[low:high], trace.output[low:high]
+        size = self.profile.block_size
+        # replica.fits(), for all at once: alone, the request's whole length and one block to spare.
+        fits = -(-(prompt + output + 1) // size) + 1 <= self.profile.num_gpu_blocks
+        taken = np.flatnonzero(fits)
+        if len(taken) < high - low:
+            refused = low + np.flatnonzero(~fits)
+            result.outcome[refused] = DROPPED
+            result.finish[refused] = trace.time[refused]
+        picks = np.asarray(self.ready)[(draws[taken] * len(self.ready)).astype(np.int64)]
+        order = np.argsort(picks, kind="stable")
+        taken = taken[order]
+        picks = picks[order].tolist()
+        index = (low + taken).tolist()
+        times = trace.time[low:high][taken].tolist()
+        prompts = prompt[taken].tolist()
+        outputs = output[taken].tolist()
+        ranks = self.priorities[trace.tenant[low:high][taken]].tolist()
+        self.ledger.in_system += len(index)
+        Request = replica_model.Request
+        visits: dict[int, list[replica_model.Request]] = {}
+        for rid, i, t, p, o, r in zip(picks, index, times, prompts, outputs, ranks):
+            arrivals = visits.get(rid)
+            if arrivals is None:
+                arrivals = visits[rid] = []
+            arrivals.append(Request(i, t, p, o, r))
+        return visits
 
     def _tick(self, now: float) -> None:
         loop = self.loop
         ready = self.ready
+        replicas = self.replicas
         pool = self.profile.num_gpu_blocks
         for rid in (*ready, *self.draining):
-            self.replicas[rid].expire(now)
-            self._schedule(rid, self.replicas[rid].nudge(now))
-            if rid in self.draining and self.replicas[rid].empty():
+            replica = replicas[rid]
+            replica.expire(now)
+            self._nudge(rid, now)
+            if rid in self.draining and replica.empty():
                 self._gone(rid, now)
         names = []
         pods = {}
         waiting = 0
         kv_total = 0.0
+        PodSample = samples.PodSample
         for rid in ready:
-            replica = self.replicas[rid]
+            replica = replicas[rid]
             usage = replica.kv_blocks(now) / pool
-            names.append(replica.name)
-            pods[replica.name] = samples.PodSample(replica.name, usage, replica.num_waiting, replica.num_running, now,
-                                                   replica.finished)
-            waiting += replica.num_waiting
+            name = replica.name
+            num_waiting = len(replica.waiting)
+            names.append(name)
+            pods[name] = PodSample(name, usage, num_waiting, replica.num_running, now, replica.finished)
+            waiting += num_waiting
             kv_total += usage
         if self.check:
             self._check_pools(now)
@@ -279,32 +311,32 @@ class _Simulation:
         series.ready.append(len(ready))
         series.starting.append(len(self.starting))
         series.draining.append(len(self.draining))
-        series.waiting.append(waiting + sum(self.replicas[rid].num_waiting for rid in self.draining))
+        series.waiting.append(waiting + sum(replicas[rid].num_waiting for rid in self.draining))
         series.in_system.append(self.ledger.in_system)
         series.kv_cache_usage.append(kv_total / len(ready) if ready else 0.0)
         before = loop.replicas
-        replicas, policy = loop.decide(names, len(self.starting), samples.Reading(pods), now)
-        series.desired.append(replicas)
+        target, policy = loop.decide(names, len(self.starting), samples.Reading(pods), now)
+        series.desired.append(target)
         series.priority.append(policy == replica_model.PRIORITY)
         if policy != self.policy:
             self.policy = policy
             for rid in (*ready, *self.starting, *self.draining):
-                self.replicas[rid].set_policy(policy)
-                self._schedule(rid, self.replicas[rid].nudge(now))
-        if replicas != before:
+                replicas[rid].set_policy(policy)
+                self._nudge(rid, now)
+        if target != before:
             self.result.scale_events += 1
-        self._scale(replicas, now)
-        upcoming = now + loop.spec["autoscaling"]["intervalSeconds"]
-        if upcoming < self.trace.duration:
-            heapq.heappush(self.events, (upcoming, _TICK, -1, 0))
+        self._scale(target, now)
+
+    def _nudge(self, rid: int, now: float) -> None:
+        when = self.replicas[rid].nudge(now)
+        if when is not None:
+            self.due[rid] = when
 
     def _scale(self, target: int, now: float) -> None:
-        self._account(now)
         current = len(self.ready) + len(self.starting)
         if target > current:
             for _ in range(target - current):
-                rid = self._start(now)
-                heapq.heappush(self.events, (now + self.engine.startup_seconds, _READY, rid, self.version[rid]))
+                heapq.heappush(self.readies, (now + self.engine.startup_seconds, self._start(now)))
         excess = current - target
         while excess > 0 and self.starting:
             self._gone(self.starting.pop(), now)
@@ -326,7 +358,10 @@ class _Simulation:
             max_num_batched_tokens=engine.max_num_batched_tokens, timeout=engine.request_timeout_seconds,
             ledger=self.ledger, policy=self.policy))
         self.state.append(_STARTING)
-        self.version.append(0)
+        self.born.append(now)
+        self.died.append(math.inf)
+        if rid == len(self.due):
+            self.due = np.concatenate([self.due, np.full(rid, math.inf)])
         self.starting.append(rid)
         return rid
 
@@ -338,16 +373,9 @@ class _Simulation:
         self.ready.append(rid)
 
     def _gone(self, rid: int, now: float) -> None:
-        self._account(now)
         self.state[rid] = _GONE
-        self.version[rid] += 1
+        self.died[rid] = now
         self.draining.discard(rid)
-
-    def _account(self, now: float) -> None:
-        now = min(now, self.trace.duration)
-        alive = len(self.ready) + len(self.starting) + len(self.draining)
-        self.result.replica_seconds += alive * max(0.0, now - self.accounted_to)
-        self.accounted_to = max(self.accounted_to, now)
 
     def _check_pools(self, now: float) -> None:
         pool = self.profile.num_gpu_blocks

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvpilot.operator.sim.profile import Profile
@@ -68,7 +69,7 @@ class Replica:
     __slots__ = ("name", "profile", "max_num_seqs", "max_num_batched_tokens", "timeout", "ledger", "policy",
                  "waiting", "prefilling", "decoding", "num_decoding", "sum_prompt", "sum_joined", "steps",
                  "prefill_blocks", "mode", "run_start", "run_steps", "run_first", "chunks", "preemptions",
-                 "admissions", "ranked", "finished", "_order", "_pool")
+                 "admissions", "ranked", "finished", "due", "clock", "_order", "_pool")
 
     def __init__(self, name: str, profile: Profile, *, max_num_seqs: int, max_num_batched_tokens: int,
                  timeout: float, ledger: Ledger, policy: str = FCFS) -> None:
@@ -100,10 +101,34 @@ class Replica:
         self.admissions: list[tuple[int, Request]] = []
         # The same, as a heap of the largest (priority, arrival, admission) first: priority's victims.
         self.ranked: list[tuple[int, float, int, Request]] = []
+        self.due = math.inf  # when the step (or run) in flight ends; inf when idle
+        self.clock = 0.0  # when the last one ended
         self._order = itertools.count()
         self._pool = profile.num_gpu_blocks
 
     # What fleet.py asks.
+
+    def play(self, arrivals: Sequence[Request], until: float) -> int:
+        """Take `arrivals` (in time order, none after `until`) as they come, and run every step
+        that ends by `until`. Returns how many steps (or runs of steps) ended."""
+        when = self.due
+        advance = self.advance
+        ended = 0
+        for request in arrivals:
+            now = request.arrival
+            while when < now:
+                self.clock = when
+                advance(when)
+                when = self.due
+                ended += 1
+            self.add(request, now)
+            when = self.due
+        while when <= until:
+            self.clock = when
+            advance(when)
+            when = self.due
+            ended += 1
+        return ended
 
     def add(self, request: Request, now: float) -> float | None:
         """Queue an arrival. Returns when the replica's next event now falls, or None when it
@@ -115,7 +140,8 @@ class Replica:
             done = self._steps_done(now - self.run_start)
             if done + 1 < self.run_steps:
                 self.run_steps = done + 1
-                return self.run_start + self._run_seconds(done + 1)
+                self.due = self.run_start + self._run_seconds(done + 1)
+                return self.due
         return None
 
     def advance(self, now: float) -> float | None:
@@ -203,6 +229,7 @@ class Replica:
             return self._step(now)
         if not self.num_decoding:
             self.mode = IDLE
+            self.due = math.inf
             return None
         decoding = self.decoding
         while decoding[0][2].entry != decoding[0][1]:
@@ -218,7 +245,8 @@ class Replica:
         self.run_start = now
         self.run_steps = max(1, min(decoding[0][0] - self.steps, fitting))
         self.run_first = profile.step_seconds(n, n, context)
-        return now + self._run_seconds(self.run_steps)
+        self.due = now + self._run_seconds(self.run_steps)
+        return self.due
 
     def _run_seconds(self, k: int) -> float:
         # Step j (1..k) attends context + n j tokens.
@@ -279,10 +307,12 @@ class Replica:
             context += chunk
         if tokens == 0:
             self.mode = IDLE
+            self.due = math.inf
             return None
         self.mode = STEP
         self.chunks = chunks
-        return now + profile.step_seconds(tokens, n + len(chunks), context)
+        self.due = now + profile.step_seconds(tokens, n + len(chunks), context)
+        return self.due
 
     def _admissible(self, now: float) -> bool:
         waiting = self.waiting
