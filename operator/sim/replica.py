@@ -69,7 +69,8 @@ class Replica:
     __slots__ = ("name", "profile", "max_num_seqs", "max_num_batched_tokens", "timeout", "ledger", "policy",
                  "waiting", "prefilling", "decoding", "num_decoding", "sum_prompt", "sum_joined", "steps",
                  "prefill_blocks", "mode", "run_start", "run_steps", "run_first", "chunks", "preemptions",
-                 "admissions", "ranked", "finished", "due", "clock", "_order", "_pool")
+                 "admissions", "ranked", "finished", "due", "clock", "_order", "_pool", "_size", "_base",
+                 "_per_token", "_per_sequence", "_per_context")
 
     def __init__(self, name: str, profile: Profile, *, max_num_seqs: int, max_num_batched_tokens: int,
                  timeout: float, ledger: Ledger, policy: str = FCFS) -> None:
@@ -79,7 +80,7 @@ class Replica:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.timeout = timeout
         self.ledger = ledger
-        self.policy = policy
+        self.policy = FCFS
         self.waiting: list[tuple[int, float, int, Request]] = []  # a heap in the policy's order
         self.prefilling: list[Request] = []  # admitted, prompt not computed yet, in admission order
         self.decoding: list[tuple[int, int, Request]] = []  # heap of (finishing step, entry, request)
@@ -99,12 +100,20 @@ class Replica:
         # (admission number, request) in admission order; entries of requests since ended or
         # admitted again are dropped lazily. fcfs preempts the newest live one.
         self.admissions: list[tuple[int, Request]] = []
-        # The same, as a heap of the largest (priority, arrival, admission) first: priority's victims.
+        # Under priority only: the same as a heap of the largest (priority, arrival, admission)
+        # first, priority's victims (built from `admissions` when the policy switches to it).
         self.ranked: list[tuple[int, float, int, Request]] = []
         self.due = math.inf  # when the step (or run) in flight ends; inf when idle
         self.clock = 0.0  # when the last one ended
         self._order = itertools.count()
+        # The profile's figures, read on every step.
         self._pool = profile.num_gpu_blocks
+        self._size = profile.block_size
+        self._base = profile.base_s
+        self._per_token = profile.per_token_s
+        self._per_sequence = profile.per_sequence_s
+        self._per_context = profile.per_context_token_s
+        self.set_policy(policy)
 
     # What fleet.py asks.
 
@@ -134,9 +143,10 @@ class Replica:
         """Queue an arrival. Returns when the replica's next event now falls, or None when it
         is unchanged."""
         self._queue(request)
-        if self.mode == IDLE:
+        mode = self.mode
+        if mode == IDLE:
             return self._plan(now)
-        if self.mode == RUN:
+        if mode == RUN:
             done = self._steps_done(now - self.run_start)
             if done + 1 < self.run_steps:
                 self.run_steps = done + 1
@@ -147,20 +157,23 @@ class Replica:
     def advance(self, now: float) -> float | None:
         """The step (or run of steps) in flight ends at `now`. Returns the next one's end."""
         if self.mode == STEP:
-            self.steps += 1
+            steps = self.steps = self.steps + 1
             for request, chunk in self.chunks:
                 request.computed += chunk
                 request.remaining -= chunk
                 if request.remaining == 0:
                     self._prefilled(request, now)
             self.chunks = []
-        elif self.mode == RUN:
-            self.steps += self.run_steps
+        else:
+            steps = self.steps = self.steps + self.run_steps
         decoding = self.decoding
-        while decoding and decoding[0][0] <= self.steps:
+        while decoding and decoding[0][0] <= steps:
             _, entry, request = heapq.heappop(decoding)
             if request.entry == entry:
-                self._stop_decoding(request)
+                request.entry = -1
+                self.num_decoding -= 1
+                self.sum_prompt -= request.prompt
+                self.sum_joined -= request.joined
                 self.finished += 1
                 self.ledger.finished(request, now)
         return self._plan(now)
@@ -175,6 +188,12 @@ class Replica:
             self.policy = policy
             self.waiting = [self._key(request) for *_, request in self.waiting]
             heapq.heapify(self.waiting)
+            self.ranked = []
+            if policy == PRIORITY:
+                for admitted, request in self.admissions:
+                    if _running(admitted, request):
+                        self.ranked.append((-request.priority, -request.arrival, -admitted, request))
+                heapq.heapify(self.ranked)
 
     def expire(self, now: float) -> None:
         """Drop the waiting requests whose clients have given up."""
@@ -197,7 +216,7 @@ class Replica:
     def exact_kv_blocks(self, now: float) -> int:
         """The sum of every request's own ceil(tokens / block_size), for the invariant checks."""
         steps = self.steps + (self._steps_done(now - self.run_start) if self.mode == RUN else 0)
-        size = self.profile.block_size
+        size = self._size
         held = sum(request.blocks for request in self.prefilling)
         for _, entry, request in self.decoding:
             if request.entry == entry:
@@ -217,44 +236,68 @@ class Replica:
 
     def fits(self, prompt: int, output: int) -> bool:
         """Whether one request could ever run here alone."""
-        return -(-(prompt + output + 1) // self.profile.block_size) + 1 <= self._pool
+        return -(-(prompt + output + 1) // self._size) + 1 <= self._pool
 
-    # The scheduler.
+    # The scheduler. The hot paths spell out _decoding_blocks, _blocks_for, _expired and
+    # Profile.step_seconds (same arithmetic, in the same order: the same floats).
 
     def _plan(self, now: float) -> float | None:
         pool = self._pool
-        while self.num_decoding and self.prefill_blocks + self._decoding_blocks(self.steps + 1) > pool:
+        size = self._size
+        n = self.num_decoding
+        ahead = self.steps + 1
+        used = self.prefill_blocks + (self.sum_prompt + n * ahead - self.sum_joined + n * (size - 1)) // size
+        while n and used > pool:
             self._preempt()
-        if self.prefilling or self._admissible(now):
-            return self._step(now)
-        if not self.num_decoding:
+            n = self.num_decoding
+            used = self.prefill_blocks + (self.sum_prompt + n * ahead - self.sum_joined + n * (size - 1)) // size
+        if self.prefilling:
+            return self._step(now, used)
+        waiting = self.waiting
+        if waiting:
+            timeout = self.timeout
+            while waiting:
+                head = waiting[0][3]
+                if head.first_token is None and now - head.arrival > timeout:
+                    heapq.heappop(waiting)
+                    self.ledger.timed_out(head, now)
+                    continue
+                if n < self.max_num_seqs and used + -(-(head.prompt + head.generated + 1) // size) <= pool:
+                    return self._step(now, used)
+                break
+        if not n:
             self.mode = IDLE
             self.due = math.inf
             return None
         decoding = self.decoding
         while decoding[0][2].entry != decoding[0][1]:
             heapq.heappop(decoding)
-        n = self.num_decoding
-        size = self.profile.block_size
-        context = self.sum_prompt + n * self.steps - self.sum_joined
+        steps = self.steps
+        context = self.sum_prompt + n * steps - self.sum_joined
         # The most steps before the bound passes the pool: context + n k + n (size - 1) < (room + 1) size.
         room = pool - self.prefill_blocks
         fitting = ((room + 1) * size - 1 - context - n * (size - 1)) // n
-        profile = self.profile
+        k = decoding[0][0] - steps
+        if fitting < k:
+            k = fitting
+        if k < 1:
+            k = 1
+        per_context = self._per_context
+        first = self._base + self._per_token * n + self._per_sequence * n + per_context * context
         self.mode = RUN
         self.run_start = now
-        self.run_steps = max(1, min(decoding[0][0] - self.steps, fitting))
-        self.run_first = profile.step_seconds(n, n, context)
-        self.due = now + self._run_seconds(self.run_steps)
-        return self.due
+        self.run_steps = k
+        self.run_first = first
+        due = self.due = now + (k * first + per_context * n * k * (k + 1) / 2)
+        return due
 
     def _run_seconds(self, k: int) -> float:
         # Step j (1..k) attends context + n j tokens.
-        return k * self.run_first + self.profile.per_context_token_s * self.num_decoding * k * (k + 1) / 2
+        return k * self.run_first + self._per_context * self.num_decoding * k * (k + 1) / 2
 
     def _steps_done(self, elapsed: float) -> int:
         """Whole steps of the current run finished `elapsed` seconds into it."""
-        a = self.profile.per_context_token_s * self.num_decoding / 2
+        a = self._per_context * self.num_decoding / 2
         b = self.run_first + a
         k = int(elapsed / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * max(elapsed, 0.0))) / (2 * a))
         k = min(k, self.run_steps)
@@ -264,64 +307,72 @@ class Replica:
             k -= 1
         return k
 
-    def _step(self, now: float) -> float | None:
-        profile = self.profile
+    def _step(self, now: float, used: int) -> float | None:
+        """One step of decodes, prefill chunks and admissions; `used`: the blocks held after it
+        by the running requests."""
         n = self.num_decoding
         budget = self.max_num_batched_tokens - n
         tokens = n
         context = self.sum_prompt + n * (self.steps + 1) - self.sum_joined
         chunks = []
-        for request in self.prefilling:
+        prefilling = self.prefilling
+        for request in prefilling:
             if budget <= 0:
                 break
-            chunk = min(request.remaining, budget)
+            chunk = request.remaining
+            if chunk > budget:
+                chunk = budget
             chunks.append((request, chunk))
             budget -= chunk
             tokens += chunk
             context += request.computed + chunk
         waiting = self.waiting
-        used = self.prefill_blocks + self._decoding_blocks(self.steps + 1)
-        while budget > 0 and waiting and n + len(self.prefilling) < self.max_num_seqs:
-            request = waiting[0][3]
-            if self._expired(request, now):
+        if waiting and budget > 0:
+            pool = self._pool
+            size = self._size
+            timeout = self.timeout
+            running = n + len(prefilling)
+            limit = self.max_num_seqs
+            ranked = self.ranked if self.policy == PRIORITY else None
+            while budget > 0 and waiting and running < limit:
+                request = waiting[0][3]
+                if request.first_token is None and now - request.arrival > timeout:
+                    heapq.heappop(waiting)
+                    self.ledger.timed_out(request, now)
+                    continue
+                # The prompt (plus what a preemption made it recompute) and the first token's slot.
+                need = -(-(request.prompt + request.generated + 1) // size)
+                if used + need > pool:
+                    break
                 heapq.heappop(waiting)
-                self.ledger.timed_out(request, now)
-                continue
-            need = self._blocks_for(request)
-            if used + need > self._pool:
-                break
-            heapq.heappop(waiting)
-            used += need
-            self.prefill_blocks += need
-            request.blocks = need
-            request.remaining = request.prompt + request.generated
-            request.computed = 0
-            request.admitted = next(self._order)
-            self.admissions.append((request.admitted, request))
-            heapq.heappush(self.ranked, (-request.priority, -request.arrival, -request.admitted, request))
-            self.prefilling.append(request)
-            chunk = min(request.remaining, budget)
-            chunks.append((request, chunk))
-            budget -= chunk
-            tokens += chunk
-            context += chunk
+                used += need
+                running += 1
+                self.prefill_blocks += need
+                request.blocks = need
+                chunk = request.remaining = request.prompt + request.generated
+                request.computed = 0
+                admitted = request.admitted = next(self._order)
+                self.admissions.append((admitted, request))
+                if ranked is not None:
+                    heapq.heappush(ranked, (-request.priority, -request.arrival, -admitted, request))
+                prefilling.append(request)
+                if chunk > budget:
+                    chunk = budget
+                chunks.append((request, chunk))
+                budget -= chunk
+                tokens += chunk
+                context += chunk
+            if len(self.admissions) > 2 * running + 64:
+                self._compact()
         if tokens == 0:
             self.mode = IDLE
             self.due = math.inf
             return None
         self.mode = STEP
         self.chunks = chunks
-        self.due = now + profile.step_seconds(tokens, n + len(chunks), context)
-        return self.due
-
-    def _admissible(self, now: float) -> bool:
-        waiting = self.waiting
-        while waiting and self._expired(waiting[0][3], now):
-            self.ledger.timed_out(heapq.heappop(waiting)[3], now)
-        if not waiting or self.num_decoding + len(self.prefilling) >= self.max_num_seqs:
-            return False
-        used = self.prefill_blocks + self._decoding_blocks(self.steps + 1)
-        return used + self._blocks_for(waiting[0][3]) <= self._pool
+        due = self.due = now + (self._base + self._per_token * tokens + self._per_sequence * (n + len(chunks))
+                                + self._per_context * context)
+        return due
 
     def _prefilled(self, request: Request, now: float) -> None:
         self.prefilling.remove(request)
@@ -335,12 +386,12 @@ class Replica:
             self.finished += 1
             self.ledger.finished(request, now)
             return
-        request.joined = self.steps - generated
-        request.entry = next(self._order)
+        joined = request.joined = self.steps - generated
+        entry = request.entry = next(self._order)
         self.num_decoding += 1
         self.sum_prompt += request.prompt
-        self.sum_joined += request.joined
-        heapq.heappush(self.decoding, (request.joined + request.output, request.entry, request))
+        self.sum_joined += joined
+        heapq.heappush(self.decoding, (joined + request.output, entry, request))
 
     def _stop_decoding(self, request: Request) -> None:
         request.entry = -1
@@ -364,19 +415,26 @@ class Replica:
         self.preemptions += 1
         self._queue(victim)
 
+    def _compact(self) -> None:
+        """Drop the entries of requests no longer running, so that neither list outgrows them."""
+        self.admissions = [item for item in self.admissions if _running(*item)]
+        if self.ranked:
+            self.ranked = [item for item in self.ranked if _running(-item[2], item[3])]
+            heapq.heapify(self.ranked)
+
     def _last_admitted(self) -> Request:
         admissions = self.admissions
         if len(admissions) > 2 * self.num_running + 64:
-            admissions[:] = [item for item in admissions if _running(*item)]
+            self._compact()
+            admissions = self.admissions
         while not _running(*admissions[-1]):
             admissions.pop()
         return admissions[-1][1]
 
     def _lowest_ranked(self) -> Request:
+        if len(self.ranked) > 2 * self.num_running + 64:
+            self._compact()
         ranked = self.ranked
-        if len(ranked) > 2 * self.num_running + 64:
-            ranked[:] = [item for item in ranked if _running(-item[2], item[3])]
-            heapq.heapify(ranked)
         while not _running(-ranked[0][2], ranked[0][3]):
             heapq.heappop(ranked)
         return ranked[0][3]
@@ -387,13 +445,9 @@ class Replica:
     def _key(self, request: Request) -> tuple[int, float, int, Request]:
         return (request.priority if self.policy == PRIORITY else 0, request.arrival, request.index, request)
 
-    def _blocks_for(self, request: Request) -> int:
-        # The prompt (plus what a preemption made it recompute) and the first token's slot.
-        return -(-(request.prompt + request.generated + 1) // self.profile.block_size)
-
     def _decoding_blocks(self, steps: int) -> int:
         n = self.num_decoding
-        return (self.sum_prompt + n * steps - self.sum_joined + n * (self.profile.block_size - 1)) // self.profile.block_size
+        return (self.sum_prompt + n * steps - self.sum_joined + n * (self._size - 1)) // self._size
 
     def _expired(self, request: Request, now: float) -> bool:
         return request.first_token is None and now - request.arrival > self.timeout
