@@ -142,7 +142,8 @@ class Replica:
     def add(self, request: Request, now: float) -> float | None:
         """Queue an arrival. Returns when the replica's next event now falls, or None when it
         is unchanged."""
-        self._queue(request)
+        heapq.heappush(self.waiting, (request.priority if self.policy == PRIORITY else 0, request.arrival,
+                                      request.index, request))
         mode = self.mode
         if mode == IDLE:
             return self._plan(now)
@@ -198,11 +199,24 @@ class Replica:
     def expire(self, now: float) -> None:
         """Drop the waiting requests whose clients have given up."""
         waiting = self.waiting
-        if not waiting or (self.policy == FCFS and now - waiting[0][1] <= self.timeout):
+        timeout = self.timeout
+        if not waiting or (self.policy == FCFS and now - waiting[0][1] <= timeout):
             return  # fcfs: the head arrived first, so no one has waited longer
-        kept = [item for item in self.waiting if not self._expired(item[3], now)]
-        if len(kept) != len(self.waiting):
-            for *_, request in self.waiting:
+        if self.policy == FCFS:
+            # In arrival order: those who have waited too long come off the heap first.
+            kept = []
+            while waiting and now - waiting[0][1] > timeout:
+                item = heapq.heappop(waiting)
+                if item[3].first_token is None:
+                    self.ledger.timed_out(item[3], now)
+                else:
+                    kept.append(item)  # preempted after its first token: its client still waits
+            for item in kept:
+                heapq.heappush(waiting, item)
+            return
+        kept = [item for item in waiting if not self._expired(item[3], now)]
+        if len(kept) != len(waiting):
+            for *_, request in waiting:
                 if self._expired(request, now):
                     self.ledger.timed_out(request, now)
             heapq.heapify(kept)
@@ -238,7 +252,7 @@ class Replica:
         """Whether one request could ever run here alone."""
         return -(-(prompt + output + 1) // self._size) + 1 <= self._pool
 
-    # The scheduler. The hot paths spell out _decoding_blocks, _blocks_for, _expired and
+    # The scheduler. The hot paths spell out _decoding_blocks, _expired and
     # Profile.step_seconds (same arithmetic, in the same order: the same floats).
 
     def _plan(self, now: float) -> float | None:
@@ -297,13 +311,18 @@ class Replica:
 
     def _steps_done(self, elapsed: float) -> int:
         """Whole steps of the current run finished `elapsed` seconds into it."""
-        a = self._per_context * self.num_decoding / 2
-        b = self.run_first + a
+        growth = self._per_context * self.num_decoding  # step j costs first + growth j
+        first = self.run_first
+        a = growth / 2
+        b = first + a
         k = int(elapsed / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * max(elapsed, 0.0))) / (2 * a))
-        k = min(k, self.run_steps)
-        while k < self.run_steps and self._run_seconds(k + 1) <= elapsed:
+        last = self.run_steps
+        if k > last:
+            k = last
+        # The root is within a step of the answer; _run_seconds decides, spelled out.
+        while k < last and (k + 1) * first + growth * (k + 1) * (k + 2) / 2 <= elapsed:
             k += 1
-        while k > 0 and self._run_seconds(k) > elapsed:
+        while k > 0 and k * first + growth * k * (k + 1) / 2 > elapsed:
             k -= 1
         return k
 
