@@ -1,6 +1,20 @@
 """The event loop: arrivals from the trace, replicas' steps, control intervals and start-ups on
 one clock, for one strategy.
 
+How it is fast enough for a thousand replicas and ten million requests (exactly, not by
+approximation: it gives every request the same first-token and finish times as a loop over one
+heap of every replica's step events):
+- Only control events (intervals, replicas getting ready) are on a heap. Between two of them the
+  ready set is fixed, and routing reads nothing else, so that stretch's arrivals are routed at
+  once in arrays and grouped by replica, and each replica then plays its own arrivals and steps
+  up to the next control event on its own (`Replica.play`): replicas share nothing but the clock
+  at control events. Each replica's next step end sits in one array (`due`), so a replica with
+  no arrival and no step ending in a stretch is not visited.
+- A replica's scheduler state stays in Python scalars on its object: every event touches one
+  replica, where an attribute costs a fifth of a numpy element. Arrays hold what is read or
+  written over many replicas or requests at once: routing, `due`, each request's fate.
+- Events are steps, and runs of decode-only steps in closed form (replica.py); none per token.
+
 Kubernetes is modelled as far as the control loop sees it: a Service spreads requests uniformly
 at random over the ready replicas (none ready: the request is dropped); a new replica is ready
 `startup_seconds` after spec.replicas asks for it (image pull and weight load; it costs from the
@@ -31,7 +45,7 @@ from kvpilot.operator.sim.trace import Trace
 
 PENDING, SERVED, DROPPED, TIMED_OUT = 0, 1, 2, 3
 _STARTING, _RUNNING, _DRAINING, _GONE = 0, 1, 2, 3
-_END = sys.float_info.max  # after the last control event: every replica runs until it is idle
+_END = sys.float_info.max  # after the last control event: every replica with work runs until idle
 
 
 @dataclass(frozen=True)
@@ -160,12 +174,7 @@ def simulate(trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine, 
 
 
 class _Simulation:
-    """The fleet between control events. A Service's routing reads nothing of a replica's state,
-    and replicas share nothing else, so between two events that change the ready set (control
-    intervals, replicas getting ready) the arrivals are routed at once, in arrays, and each
-    replica then plays its own arrivals and steps up to that event, alone: one heap of control
-    events, no heap of replica events, and a replica with nothing to do before the next control
-    event is not visited (`due`: each replica's next step end, in one array)."""
+    """The loop of the module's docstring: control events on a heap, replicas played between them."""
 
     def __init__(self, trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine,
                  priorities: Sequence[int], seed: int, check_invariants: bool,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -119,7 +120,8 @@ class Replica:
 
     def play(self, arrivals: Sequence[Request], until: float) -> int:
         """Take `arrivals` (in time order, none after `until`) as they come, and run every step
-        that ends by `until`. Returns how many steps (or runs of steps) ended."""
+        that ends by `until` (inf: until idle). Returns how many steps (or runs of steps) ended."""
+        until = min(until, sys.float_info.max)  # an idle replica's due is inf
         when = self.due
         advance = self.advance
         ended = 0
@@ -171,10 +173,7 @@ class Replica:
         while decoding and decoding[0][0] <= steps:
             _, entry, request = heapq.heappop(decoding)
             if request.entry == entry:
-                request.entry = -1
-                self.num_decoding -= 1
-                self.sum_prompt -= request.prompt
-                self.sum_joined -= request.joined
+                self._stop_decoding(request)
                 self.finished += 1
                 self.ledger.finished(request, now)
         return self._plan(now)
@@ -315,7 +314,7 @@ class Replica:
         first = self.run_first
         a = growth / 2
         b = first + a
-        k = int(elapsed / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * max(elapsed, 0.0))) / (2 * a))
+        k = int(elapsed / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * (elapsed if elapsed > 0.0 else 0.0))) / (2 * a))
         last = self.run_steps
         if k > last:
             k = last
@@ -435,7 +434,8 @@ class Replica:
         self._queue(victim)
 
     def _compact(self) -> None:
-        """Drop the entries of requests no longer running, so that neither list outgrows them."""
+        """Drop the entries of requests no longer running, so that neither list outgrows them
+        (both grow only by admissions)."""
         self.admissions = [item for item in self.admissions if _running(*item)]
         if self.ranked:
             self.ranked = [item for item in self.ranked if _running(-item[2], item[3])]
@@ -443,16 +443,11 @@ class Replica:
 
     def _last_admitted(self) -> Request:
         admissions = self.admissions
-        if len(admissions) > 2 * self.num_running + 64:
-            self._compact()
-            admissions = self.admissions
         while not _running(*admissions[-1]):
             admissions.pop()
         return admissions[-1][1]
 
     def _lowest_ranked(self) -> Request:
-        if len(self.ranked) > 2 * self.num_running + 64:
-            self._compact()
         ranked = self.ranked
         while not _running(-ranked[0][2], ranked[0][3]):
             heapq.heappop(ranked)

@@ -4,11 +4,14 @@ the two-tenant mix, each on a short trace."""
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import math
 
 import numpy as np
 import pytest
 
 from kvpilot.operator.sim import fleet, profile, report, strategies, trace
+from kvpilot.operator.sim import replica as replica_model
 from kvpilot.operator.sim.fleet import DROPPED, PENDING, SERVED, TIMED_OUT
 
 _TIMINGS = ("wall_seconds", "cpu_seconds", "events_per_second", "events_per_cpu_second")
@@ -108,3 +111,51 @@ def test_the_auto_tuner_gives_the_interactive_tenant_a_lower_ttft_p99_than_fcfs_
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="unknown strategy 'hpa'"):
         strategies.build("hpa", strategies.Settings(), initial=1, peak=1, mean=1)
+
+
+def test_replicas_played_between_control_events_match_one_clock_over_every_step():
+    """The fleet plays each replica's arrivals and steps on its own between control events; a
+    loop over one heap of every replica's step events, in time order, gives the same times."""
+    load = trace.poisson(60, 600, 512, 256, seed=11)
+    replicas = 3
+    loop = strategies.build("static-peak", strategies.Settings(), initial=replicas, peak=replicas, mean=replicas)
+    result = fleet.simulate(load, loop, H200, ENGINE, seed=11)
+
+    first, finish = np.full(len(load), np.nan), np.full(len(load), np.nan)
+
+    class Ledger:
+        def first_token(self, request, now):
+            first[request.index] = now
+
+        def finished(self, request, now):
+            finish[request.index] = now
+
+        def timed_out(self, request, now):
+            raise AssertionError("no timeouts on this load")
+
+    fleet_of = [replica_model.Replica(f"r{i}", H200, max_num_seqs=ENGINE.max_num_seqs, timeout=1e9,
+                                      max_num_batched_tokens=ENGINE.max_num_batched_tokens, ledger=Ledger())
+                for i in range(replicas)]
+    steps: list[tuple[float, int, int]] = []  # (when, replica, version): a later plan voids the earlier
+    version = [0] * replicas
+
+    def schedule(rid: int, when: float | None) -> None:
+        if when is not None:
+            version[rid] += 1
+            heapq.heappush(steps, (when, rid, version[rid]))
+
+    def run_steps_before(time: float) -> None:
+        while steps and steps[0][0] < time:
+            when, rid, v = heapq.heappop(steps)
+            if v == version[rid]:
+                schedule(rid, fleet_of[rid].advance(when))
+
+    routes = np.random.default_rng(11).random(len(load))
+    for i, (time, prompt, output) in enumerate(zip(load.time.tolist(), load.prompt.tolist(), load.output.tolist())):
+        run_steps_before(time)
+        rid = int(routes[i] * replicas)
+        schedule(rid, fleet_of[rid].add(replica_model.Request(i, time, prompt, output, 0), time))
+    run_steps_before(math.inf)
+    assert (result.outcome == SERVED).all()
+    np.testing.assert_array_equal(result.first_token, first)
+    np.testing.assert_array_equal(result.finish, finish)

@@ -114,3 +114,17 @@ def test_steps_done_inverts_the_run_duration():
         assert r._steps_done(exact) == k
         assert r._steps_done(math.nextafter(exact, 0.0)) == k - 1
     assert when == pytest.approx(start + r._run_seconds(r.run_steps))
+
+
+def test_expiry_drops_the_overdue_without_a_first_token_and_keeps_the_rest_in_order():
+    ledger = Ledger()
+    r = replica(ledger, max_num_seqs=1, timeout=1.0)
+    resumed = Request(1, 0.05, 4, 4, 0)
+    resumed.first_token = 0.06  # as after a preemption: its client has its first token and waits on
+    r.play([Request(0, 0.0, 4, 200, 0), resumed, Request(2, 0.1, 4, 4, 0)], 1.2)  # 0 holds the seat past 2 s
+    r.expire(1.2)
+    assert ledger.ended == {2: ("timed out", 1.2)}
+    assert [item[3] for item in r.waiting] == [resumed]
+    r.play([Request(3, 1.5, 4, 4, 0)], math.inf)
+    assert r.empty() and [ledger.ended[i][0] for i in (0, 1, 3)] == ["finished"] * 3
+    assert ledger.ended[0][1] < ledger.ended[1][1] < ledger.ended[3][1]
