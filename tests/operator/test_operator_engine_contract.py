@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from crd_validation import engine_schema
 from inference_engines import ADMIN_TOKEN, BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
 from kvpilot.operator import render
 from kvpilot.runtime import cli
+from kvpilot.runtime.config import ATTENTION_BACKENDS
 
 
 def parsed_serve_args(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> argparse.Namespace:
@@ -69,3 +71,10 @@ def test_the_engine_reads_the_rendered_tenants_file(tmp_path: Path) -> None:
     assert by_name["prod"].max_concurrent_requests == 32
     assert by_name["batch"].allow_request_priority is True
     assert set(config.files) == {path, keys_dir / "prod", keys_dir / "batch"}
+
+
+def test_the_crd_offers_exactly_the_engines_attention_backends() -> None:
+    # A backend the engine gains must be reachable from a spec, and the CRD must not admit one
+    # the engine would refuse at start-up.
+    enum = engine_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["attentionBackend"]["enum"]
+    assert enum == list(ATTENTION_BACKENDS)
