@@ -4,7 +4,8 @@ Calibrates a profile on this machine (`kvpilot simulate calibrate`'s fit), then,
 plays each load twice: into a real `kvpilot serve` (streaming completions of token-id prompts with
 ignore_eos, sent at the trace's times; vllm:num_requests_waiting read from /metrics every
 quarter second), and through the simulator (one static replica with the calibrated profile and
-the same engine settings). The loads: a burst of requests sent at once, whose real throughput is
+the same engine settings, and the front end's own latency, measured on the idle server with
+one-token requests sent one at a time, added to every arrival). The loads: a burst of requests sent at once, whose real throughput is
 the replica's capacity, then Poisson arrivals at shares of that capacity (--levels). Reports
 output throughput, median and p99 TTFT and the mean queue of each side, and their ratio; and the
 CPU the engine, the API server and the client took during each real load, which the simulator
@@ -133,6 +134,16 @@ async def _play(base_url: str, load: trace.Trace, vocab: int, seed: int) -> tupl
     return _figures(float(load.output.sum()) / makespan, ttft, float(np.mean(queue))), cpu
 
 
+async def _frontend_seconds(base_url: str, prompt_tokens: int, vocab: int, profile, probes: int = 16) -> float:
+    """What a request's first token takes beyond the engine step that computes it: the median TTFT
+    of one-token requests sent one at a time to the idle server, less the profile's cost of the
+    lone prefill step that serves each (the API server, the ZMQ hops, the SSE chunk)."""
+    prompts = np.random.default_rng(1).integers(1, vocab, size=(probes, prompt_tokens)).tolist()
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        ttfts = [(await _one(client, i, prompt, 1, time.perf_counter(), 0.0))[0] for i, prompt in enumerate(prompts)]
+    return max(0.0, float(np.median(ttfts)) - profile.step_seconds(prompt_tokens, 1, prompt_tokens))
+
+
 def _figures(throughput: float, ttft: np.ndarray, queue: float) -> dict:
     return {"output_tokens_per_s": throughput, "ttft_p50_s": float(np.median(ttft)),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "mean_waiting": queue}
@@ -217,6 +228,9 @@ def main() -> None:
         # Warm-up: the first large batches are slower.
         play("warm-up", _burst(min(args.burst, 16), args.prompt_tokens, args.output_tokens, args.seed + 1),
              args.seed + 1)
+        # Measured before the loads, like the step costs: the simulator adds it to every arrival.
+        profile = dataclasses.replace(profile, frontend_s=asyncio.run(
+            _frontend_seconds(base_url, args.prompt_tokens, vocab, profile)))
         real, cpu = play("burst", burst, args.seed)
         capacity = real["output_tokens_per_s"] / float(burst.output.mean())
         rows.append((f"{len(burst)} at once (capacity {capacity:.3g}/s)", real, *simulate(burst, cpu)))

@@ -203,6 +203,8 @@ class _Simulation:
         self.draining: set[int] = set()
         self.policy = replica_model.FCFS
         self.arrived = 0  # arrivals routed so far (the trace is in time order)
+        # When each arrival reaches a replica's scheduler (its TTFT still counts from the trace's time).
+        self.reaches = trace.time + profile.frontend_s if profile.frontend_s else trace.time
         self.steps = 0  # replica step (or decode run) ends handled, for the events count
 
     def run(self) -> Run:
@@ -244,9 +246,8 @@ class _Simulation:
 
     def _play_until(self, until: float) -> None:
         """Route the arrivals up to `until` (inclusive) and run every replica that has work to it."""
-        trace = self.trace
         low = self.arrived
-        high = int(np.searchsorted(trace.time, until, side="right"))
+        high = int(np.searchsorted(self.reaches, until, side="right"))
         self.arrived = high
         visits: dict[int, list[replica_model.Request]] = {}
         if high > low:
@@ -290,7 +291,7 @@ class _Simulation:
         order = np.argsort(picks, kind="stable")
         taken = taken[order]
         picks = picks[order]
-        requests = list(map(replica_model.Request, (low + taken).tolist(), trace.time[low:high][taken].tolist(),
+        requests = list(map(replica_model.Request, (low + taken).tolist(), self.reaches[low:high][taken].tolist(),
                             prompt[taken].tolist(), output[taken].tolist(),
                             self.priorities[trace.tenant[low:high][taken]].tolist()))
         self.ledger.in_system += len(requests)

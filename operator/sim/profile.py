@@ -36,11 +36,18 @@ class Profile:
     # they ran on a core (below 1 on a shared machine: the costs above have those waits taken
     # out); None for a roofline.
     cpu_share: float | None = None
+    # What a request spends outside the engine's steps before its first token reaches the client:
+    # the HTTP request, the hop to the engine process and back, the first SSE chunk. A replica
+    # sees each arrival this much later. Measured against a real server by bench/sim_validation.py;
+    # 0 in `calibrate` (in process, no server) and in the rooflines (no published figure).
+    frontend_s: float = 0.0
 
     def __post_init__(self) -> None:
         costs = (self.base_s, self.per_token_s, self.per_sequence_s, self.per_context_token_s)
         if min(costs) < 0 or self.base_s + self.per_token_s + self.per_sequence_s <= 0:
             raise ValueError(f"profile {self.name}: step costs must be non-negative and a step must take time")
+        if self.frontend_s < 0:
+            raise ValueError(f"profile {self.name}: frontend_s must be non-negative")
         if self.num_gpu_blocks < 1 or self.block_size < 1:
             raise ValueError(f"profile {self.name}: num_gpu_blocks and block_size must be positive")
 

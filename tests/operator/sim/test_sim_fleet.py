@@ -159,3 +159,17 @@ def test_replicas_played_between_control_events_match_one_clock_over_every_step(
     assert (result.outcome == SERVED).all()
     np.testing.assert_array_equal(result.first_token, first)
     np.testing.assert_array_equal(result.finish, finish)
+
+
+def test_the_frontend_delay_reaches_the_replica_late_and_counts_in_the_ttft():
+    # Requests far apart on one static replica: none waits for another, so the delay adds to
+    # each one's first token and finish exactly, and the TTFT still counts from the trace's time.
+    load = trace.poisson(0.05, 600, 128, 16, seed=3)
+    settings = strategies.Settings(max_replicas=1)
+    direct = run(load, "static-peak", settings)
+    delayed = run(load, "static-peak", settings, chosen=dataclasses.replace(H200, frontend_s=0.25))
+    assert (direct.outcome == SERVED).all() and (delayed.outcome == SERVED).all()
+    np.testing.assert_allclose(delayed.first_token - direct.first_token, 0.25, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(delayed.finish - direct.finish, 0.25, rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="frontend_s"):
+        dataclasses.replace(H200, frontend_s=-0.1)
