@@ -31,7 +31,8 @@ from kvpilot.operator.sim import fleet, profile, report, strategies, trace
 ROOT = Path(__file__).resolve().parents[1]
 # The simulator before its array core (one heap of per-replica step events).
 BASELINE = "d059f54"
-SLICES = {"night": (0.0, 1200.0), "midday": (40000.0, 40300.0)}
+# `minute`: the suite's smoke run.
+SLICES = {"night": (0.0, 1200.0), "midday": (40000.0, 40300.0), "minute": (0.0, 60.0)}
 PROFILE = profile.BUILTIN["h200-llama-70b-fp8"]
 ENGINE = fleet.Engine(max_num_seqs=256, max_num_batched_tokens=8192, request_timeout_seconds=600.0,
                       startup_seconds=120.0)
@@ -81,7 +82,7 @@ def same(a, b) -> bool:
 def slices(names: list[str], baseline: str, repeats: int) -> None:
     day = the_day()
     before = simulator(baseline)
-    print(f"| slice | requests | baseline {baseline} CPU s, min / median | this tree | ratio of mins |"
+    print(f"| workload | requests | baseline {baseline} CPU s, min / median | this tree | ratio of mins |"
           " requests per CPU s | identical |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
