@@ -196,10 +196,12 @@ def _measure(args, model_dir: str, threads: int, baseline_tree: str | None, rng:
     for side in sides:
         ratio = statistics.median(side.rates) / statistics.median(offline_rates)
         # What HTTP / offline would be where CPU time is the limit: the same work costs this much more.
-        cpu_ratio = statistics.median(offline_cpu) / (statistics.median(side.api_cpu) + statistics.median(side.engine_cpu))
+        # A run too short for the processes' CPU clocks (10 ms ticks) to move has no ratio to give.
+        serving_cpu = statistics.median(side.api_cpu) + statistics.median(side.engine_cpu)
+        cpu_ratio = f"{statistics.median(offline_cpu) / serving_cpu:.2f}x" if serving_cpu else "-"
         print(f"| {workload}, {threads} torch thread(s) | {side.name} | {_rates(side.rates)} | {_rates(offline_rates)} | "
               f"{ratio:.2f}x | {_us(offline_cpu)} us; {_us(side.api_cpu)} + {_us(side.engine_cpu)} us | "
-              f"{_us(side.client_cpu)} us | {cpu_ratio:.2f}x |", flush=True)
+              f"{_us(side.client_cpu)} us | {cpu_ratio} |", flush=True)
 
 
 def main() -> None:
