@@ -10,19 +10,24 @@ CPU time of this process (steadier than the wall clock on a shared machine; the 
 one thread), the same ratios in wall-clock time beside them. The torch backend plans its step in
 every call here (in the engine: once per step, for every layer).
 
-    .venv/bin/python bench/attention_options.py [--num-reqs 48] [--threads 1]
+    .venv/bin/python bench/attention_options.py [--num-reqs 48] [--threads 1] [--baseline REV] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvpilot.kernels.cpu.build import load_source
+from kvpilot.kernels.cpu.paged_attention import bind, paged_attention
 from kvpilot.runtime.core.sched.output import NewRequestData
 from kvpilot.runtime.layers.attention import CpuPagedAttention, TorchPagedAttention
 from kvpilot.runtime.request import SamplingParams
@@ -157,17 +162,37 @@ def per_request_loop(q, cache, metadata, scale):
     return out
 
 
-def _time(options: dict, args_of, repeats: int, calls: int) -> dict[str, dict[str, list[float]]]:
-    """Seconds per call of each option, {"cpu": [...], "wall": [...]}, one entry per run."""
+def _time(options: dict, args_of, repeats: int, calls: int, flush=None) -> dict[str, dict[str, list[float]]]:
+    """Seconds per call of each option, {"cpu": [...], "wall": [...]}, one entry per run. With
+    `flush`, it runs (untimed) before every call."""
     seconds = {name: {"cpu": [], "wall": []} for name in options}
     for _ in range(repeats):
         for name, fn in options.items():
-            start_cpu, start_wall = time.process_time(), time.perf_counter()
+            cpu = wall = 0.0
             for _ in range(calls):
+                if flush is not None:
+                    flush()
+                start_cpu, start_wall = time.process_time(), time.perf_counter()
                 fn(*args_of)
-            seconds[name]["cpu"].append((time.process_time() - start_cpu) / calls)
-            seconds[name]["wall"].append((time.perf_counter() - start_wall) / calls)
+                cpu, wall = cpu + time.process_time() - start_cpu, wall + time.perf_counter() - start_wall
+            seconds[name]["cpu"].append(cpu / calls)
+            seconds[name]["wall"].append(wall / calls)
     return seconds
+
+
+def _kernel_at(revision: str):
+    """The C kernel as it was at a git revision, compiled beside the current one (the baseline of
+    a kernel change, side by side in this process)."""
+    source = subprocess.run(["git", "show", f"{revision}:kernels/cpu/paged_attention.c"], capture_output=True,
+                            text=True, check=True, cwd=Path(__file__).resolve().parent).stdout
+    folder = Path(tempfile.mkdtemp(prefix="kvpilot-kernel-"))
+    (folder / "paged_attention.c").write_text(source)
+    kernel = bind(load_source(folder / "paged_attention.c"))
+
+    def attend(q, cache, metadata, scale):
+        return paged_attention(q, cache[0], cache[1], metadata.block_tables, metadata.query_start_loc,
+                               metadata.seq_lens, scale, kernel=kernel)
+    return attend
 
 
 def _min_median(runs: list[float]) -> tuple[float, float]:
@@ -181,6 +206,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--baseline", metavar="REV", help="also time the C kernel of this git revision")
+    parser.add_argument("--cold", action="store_true",
+                        help="read 64 MiB before every call, untimed: the cache comes from memory, as in an engine "
+                             "step (the weights and the other layers pass through the CPU caches in between)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -198,8 +227,16 @@ def main() -> None:
             {"torch backend (index_select pages + grouped-query SDPA)": torch_backend,
              "one SDPA call per request": per_request_loop}),
     }
+    if args.baseline:
+        baseline = _kernel_at(args.baseline)
+        for _, options in workloads.values():
+            options[f"C kernel at {args.baseline}"] = baseline
+    flush = None
+    if args.cold:
+        scratch = torch.ones(16 << 20)
+        flush = scratch.sum
     print(f"torch threads: {torch.get_num_threads()}; ms per layer call, min / median of {args.repeats} runs "
-          f"of {args.calls} calls")
+          f"of {args.calls} calls; CPU caches {'flushed before each call' if args.cold else 'warm'}")
     print()
     print("| workload | kept: cpu backend (C kernel), CPU ms | option, CPU ms | option / kept, CPU time | "
           "same, wall clock |")
@@ -208,7 +245,7 @@ def main() -> None:
         expected = kept(q, cache, metadata, scale)
         for fn in options.values():
             torch.testing.assert_close(fn(q, cache, metadata, scale), expected, rtol=1e-4, atol=1e-4)
-        seconds = _time({"kept": kept, **options}, (q, cache, metadata, scale), args.repeats, args.calls)
+        seconds = _time({"kept": kept, **options}, (q, cache, metadata, scale), args.repeats, args.calls, flush)
         ours = {clock: _min_median(runs) for clock, runs in seconds["kept"].items()}
         for name in options:
             theirs = {clock: _min_median(runs) for clock, runs in seconds[name].items()}

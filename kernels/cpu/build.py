@@ -49,9 +49,14 @@ def cache_dir() -> Path:
 def load(name: str) -> ctypes.CDLL:
     """The library built from `kernels/cpu/<name>.c` (compiled now unless cached). Raises
     KernelBuildError when there is no compiler or the build fails."""
-    source = SOURCE_DIR / f"{name}.c"
+    return load_source(SOURCE_DIR / f"{name}.c")
+
+
+def load_source(source: Path) -> ctypes.CDLL:
+    """The library built from any C file, as `load` builds its own (a benchmark builds an older
+    revision's source beside the current one)."""
     compiler = _compiler()
-    target = cache_dir() / f"{name}-{_build_key(source, compiler)}.so"
+    target = cache_dir() / f"{source.stem}-{_build_key(source, compiler)}.so"
     if not target.is_file():
         _compile(compiler, source, target)
     try:

@@ -19,14 +19,19 @@ _ERRORS = {1: "the query heads do not group onto the KV heads (or over 64 share 
            2: "head_dim is too large for the kernel's row buffer", 3: "out of memory"}
 
 
-@functools.cache
-def _kernel():
-    function = load("paged_attention").paged_attention_f32
+def bind(library: ctypes.CDLL):
+    """The kernel's entry point in a library built from paged_attention.c, typed for ctypes."""
+    function = library.paged_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
                          i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     function.restype = ctypes.c_int
     return function
+
+
+@functools.cache
+def _kernel():
+    return bind(load("paged_attention"))
 
 
 def build() -> None:
@@ -43,9 +48,11 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    kernel=None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; key/value_cache: [num_blocks, block_size, kv_heads, head_dim];
-    block_tables, query_start_loc, seq_lens: int64 CPU tensors, as in kernels/paged_attention.py."""
+    block_tables, query_start_loc, seq_lens: int64 CPU tensors, as in kernels/paged_attention.py.
+    kernel: a `bind()`-ed entry point to call instead of this source's (a benchmark's baseline)."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     tensors = (q, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
@@ -66,7 +73,7 @@ def paged_attention(
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must be shaped like q, with contiguous head_dim")
-    status = _kernel()(
+    status = (kernel or _kernel())(
         out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
         block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),

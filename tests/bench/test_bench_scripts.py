@@ -20,7 +20,8 @@ TINY_ARGS = {
                                    "--window", "2", "--repetitions", "1", "--settings", "64:0,32:0"],
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
     "kernels.py": ["--tiny"],
-    "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1"],
+    "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1",
+                             "--baseline", "HEAD", "--cold"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
     # Calibration and the real server both run; the accuracy needs the full run (BENCHMARKS.md).
     "sim_validation.py": ["--short"],
