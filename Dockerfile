@@ -37,9 +37,12 @@ COPY setup.py ./
 RUN pip install --no-cache-dir --no-deps .
 
 FROM ${RUNTIME_BASE} AS runtime
+# A C compiler at run time, in both images: the CPU kernels (kernels/cpu/) are compiled on first
+# use for the machine they run on (-march=native), and Triton compiles its launcher against
+# Python.h. Without them a CPU engine falls back to the slower torch attention, and Triton fails.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvpilot
 COPY --from=runtime-build /opt/kvpilot /opt/kvpilot
