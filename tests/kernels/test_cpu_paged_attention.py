@@ -61,6 +61,12 @@ def test_long_contexts_across_chunks_and_tiles(block_size, head_dim, threads):
     check(LONG, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=block_size, seed=block_size)
 
 
+def test_decodes_take_every_kv_head_in_tiles_when_the_heads_outnumber_a_tile(threads):
+    """Short query runs (here MHA, so under 8 queries) are items of all 32 KV heads; at head_dim
+    128 a tile holds 64 rows, so the 3- and 7-query runs split into tiles of 2 queries."""
+    check([(3, 70), (1, 130), (2, 5), (7, 40), (1, 1)], num_heads=32, num_kv_heads=32, head_dim=128, block_size=16)
+
+
 def test_one_kv_head_shared_by_many_heads():
     check(LONG, num_heads=16, num_kv_heads=1, head_dim=48, block_size=8)
 
