@@ -241,12 +241,16 @@ def main() -> None:
     print("| workload | kept: cpu backend (C kernel), CPU ms | option, CPU ms | option / kept, CPU time | "
           "same, wall clock |")
     print("|---|---|---|---|---|")
+    memory = []
     for workload, ((q, cache, metadata), options) in workloads.items():
         expected = kept(q, cache, metadata, scale)
         for fn in options.values():
             torch.testing.assert_close(fn(q, cache, metadata, scale), expected, rtol=1e-4, atol=1e-4)
         seconds = _time({"kept": kept, **options}, (q, cache, metadata, scale), args.repeats, args.calls, flush)
         ours = {clock: _min_median(runs) for clock, runs in seconds["kept"].items()}
+        kv_bytes = int(metadata.seq_lens.sum()) * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
+        memory.append(f"- {workload}: {kv_bytes / 1e6:.1f} MB of K/V per call, read by the kept kernel at "
+                      f"{kv_bytes / ours['wall'][0] / 1e9:.1f} GB/s (its fastest call, wall clock)")
         for name in options:
             theirs = {clock: _min_median(runs) for clock, runs in seconds[name].items()}
             ratios = {clock: (theirs[clock][0] / ours[clock][0], theirs[clock][1] / ours[clock][1])
@@ -255,6 +259,22 @@ def main() -> None:
                   f"{theirs['cpu'][0] * 1e3:.3f} / {theirs['cpu'][1] * 1e3:.3f} | "
                   f"{ratios['cpu'][0]:.2f}x / {ratios['cpu'][1]:.2f}x | "
                   f"{ratios['wall'][0]:.2f}x / {ratios['wall'][1]:.2f}x |", flush=True)
+    print()
+    print(*memory, f"- for scale, one thread summing a 256 MiB tensor: {_streaming_read_gbps():.1f} GB/s", sep="\n")
+
+
+def _streaming_read_gbps() -> float:
+    """This machine's memory bandwidth as one thread streams it (the best of five sums)."""
+    scratch = torch.ones(64 << 20)
+    scratch.sum()
+    best = min(_timed_once(scratch.sum) for _ in range(5))
+    return scratch.numel() * scratch.element_size() / best / 1e9
+
+
+def _timed_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
