@@ -253,10 +253,11 @@ typedef struct {
 } Item;
 
 /* Asks for the cache lines of keys from .. to - 1 of an item (its K and V rows) ahead of their
- * use. In an engine step the cache comes mostly from memory (the weights and the other layers
- * have passed through the caches since its last read); there, fetching the next item's rows
- * while this one is computed measured 8-12 % faster, and 6-9 % slower with the cache in L2/L3
- * (bench/attention_options.py). */
+ * use, into L2 (locality 2: an item's rows outgrow L1). In an engine step the cache comes mostly
+ * from memory (the weights and the other layers have passed through the CPU caches since its
+ * last read); there, fetching the next item's rows while this one is computed made a decode
+ * 1.2-1.3x faster, and cost nothing with the cache in L2/L3 (bench/attention_options.py
+ * --cold). Into L1 instead it gained under 10 %, and lost as much when the cache was warm. */
 static inline void prefetch_keys(const Problem *p, const Item *item, const int64_t from, const int64_t to,
                                  const int64_t dim) {
     const int64_t *table = p->block_tables + item->req * p->block_tables_stride;
@@ -266,8 +267,8 @@ static inline void prefetch_keys(const Problem *p, const Item *item, const int64
             const int64_t offset = table[block] * p->cache_stride_block + slot * p->cache_stride_slot
                                    + h * p->cache_stride_head;
             for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(float)) {
-                __builtin_prefetch(p->key_cache + offset + d);
-                __builtin_prefetch(p->value_cache + offset + d);
+                __builtin_prefetch(p->key_cache + offset + d, 0, 2);
+                __builtin_prefetch(p->value_cache + offset + d, 0, 2);
             }
         }
         if (++slot == p->block_size) slot = 0, block++;
