@@ -12,9 +12,8 @@
  * head, with no repeated or gathered K/V. The keys are taken in chunks of KEY_CHUNK, each chunk
  * one online-softmax update (running max and sum, base 2, all float32). Causality is a per-row
  * bound on the keys, never a mask: no -inf enters the arithmetic, and keys past a row's bound
- * (or past the context, where the null block pads the table) are never read. Each thread takes
- * a run of consecutive items and prefetches the next one's rows while it computes the current
- * one.
+ * (or past the context, where the null block pads the table) are never read. Threads take runs
+ * of consecutive items, and prefetch the next item's rows while they compute the current one.
  *
  * Scores: a decode tile (few rows) multiplies each query row with LANES key rows and reduces the
  * LANES product vectors together; a prefill tile copies the chunk's keys transposed once and
@@ -419,16 +418,6 @@ static Item item_at(const Problem *p, const int64_t *first, int64_t num_reqs, in
                   .rows = tile_len * kv_heads * p->group, .key_end = p->seq_lens[req] - q_len + first_query + tile_len};
 }
 
-/* The first i with cumulative[i] >= target (cumulative ascending, n + 1 entries). */
-static int64_t lower_bound(const int64_t *cumulative, int64_t n, int64_t target) {
-    int64_t lo = 0, hi = n;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (cumulative[mid] < target) lo = mid + 1; else hi = mid;
-    }
-    return lo;
-}
-
 /* out[T, heads, dim] = attention of q[T, heads, dim] over the paged caches; every float32 and
  * head_dim contiguous. Returns OK, or an error code (nothing written). */
 int paged_attention_f32(
@@ -466,18 +455,13 @@ int paged_attention_f32(
         return OK;
     }
     Item *items = malloc((size_t)num_items * sizeof *items);
-    int64_t *cumulative_cost = malloc((size_t)(num_items + 1) * sizeof *cumulative_cost);
-    if (items == NULL || cumulative_cost == NULL) {
-        free(items), free(cumulative_cost), free(first);
+    if (items == NULL) {
+        free(first);
         return OUT_OF_MEMORY;
     }
-    /* An item's cost, roughly: its rows' scores and sums per key, and each key's loads. */
-    cumulative_cost[0] = 0;
-    for (int64_t i = 0; i < num_items; i++) {
-        items[i] = item_at(&p, first, num_reqs, i);
-        cumulative_cost[i + 1] = cumulative_cost[i] + (items[i].rows + 4) * items[i].key_end;
-    }
+    for (int64_t i = 0; i < num_items; i++) items[i] = item_at(&p, first, num_reqs, i);
     int status = OK;
+    int64_t next_run = 0; /* the first item no thread has taken */
 
     #pragma omp parallel num_threads(num_threads)
     {
@@ -495,18 +479,26 @@ int paged_attention_f32(
             w->queries = rows;
             w->acc = rows + max_rows * head_dim;
             w->keys_t = rows + 2 * max_rows * head_dim;
-            /* Each thread takes a run of consecutive items of about equal cost, so that it knows
-             * its next item and can fetch that item's rows while it computes this one. */
-            const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-            const int64_t total = cumulative_cost[num_items];
-            const int64_t begin = lower_bound(cumulative_cost, num_items, total * thread / threads);
-            const int64_t end = lower_bound(cumulative_cost, num_items, total * (thread + 1) / threads);
-            if (begin < end) prefetch_keys(&p, &items[begin], 0, items[begin].key_end, head_dim);
-            for (int64_t i = begin; i < end; i++) attend_tile(&p, w, &items[i], i + 1 < end ? &items[i + 1] : NULL);
+            /* Threads take runs of consecutive items as they come free: within a run a thread
+             * knows its next item and fetches its rows while it computes this one, and runs are
+             * short enough (a quarter of a thread's share) that a thread the OS delays, or long
+             * contexts, leave the others no long wait at the end. One thread takes one run. */
+            const int64_t threads = omp_get_num_threads();
+            const int64_t run = threads == 1 ? num_items : (num_items + 4 * threads - 1) / (4 * threads);
+            for (;;) {
+                int64_t begin;
+                #pragma omp atomic capture
+                { begin = next_run; next_run += run; }
+                if (begin >= num_items) break;
+                const int64_t end = begin + run < num_items ? begin + run : num_items;
+                prefetch_keys(&p, &items[begin], 0, items[begin].key_end, head_dim);
+                for (int64_t i = begin; i < end; i++)
+                    attend_tile(&p, w, &items[i], i + 1 < end ? &items[i + 1] : NULL);
+            }
         }
         free(rows);
         free(w);
     }
-    free(items), free(cumulative_cost), free(first);
+    free(items), free(first);
     return status;
 }
