@@ -55,6 +55,34 @@ def paged_attention(
     kernel: a `bind()`-ed entry point to call instead of this source's (a benchmark's baseline)."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
+    num_reqs = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    # Plain comparisons (this runs once per layer per step; each check costs as much as the
+    # Python side of a small op): the message that says what is wrong is built only on failure.
+    if not (q.is_cpu and key_cache.is_cpu and value_cache.is_cpu and block_tables.is_cpu
+            and query_start_loc.is_cpu and seq_lens.is_cpu and q.dtype in DTYPES
+            and key_cache.dtype == value_cache.dtype == out.dtype == q.dtype
+            and block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int64
+            and key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1 and q.stride(-1) == 1
+            and out.stride(-1) == 1 and out.shape == q.shape and block_tables.stride(-1) == 1
+            and query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1
+            and query_start_loc.shape == (num_reqs + 1,) and block_tables.dim() == 2
+            and block_tables.shape[0] >= num_reqs):
+        _refuse(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    status = (kernel or _kernel())(
+        out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
+        block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError(f"CPU paged attention: {_ERRORS.get(status, f'error {status}')} "
+                         f"(heads {num_heads}, kv_heads {num_kv_heads}, head_dim {head_dim})")
+    return out
+
+
+def _refuse(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out) -> None:
+    """Raises the ValueError that says which of paged_attention's requirements the inputs miss."""
     tensors = (q, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("the CPU paged-attention kernel takes CPU tensors only")
@@ -70,16 +98,4 @@ def paged_attention(
     if query_start_loc.shape != (num_reqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] < num_reqs:
         raise ValueError(f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries and block_tables "
                          f"a row per request, got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
-    out = torch.empty_like(q) if out is None else out
-    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must be shaped like q, with contiguous head_dim")
-    status = (kernel or _kernel())(
-        out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
-        block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
-    )
-    if status:
-        raise ValueError(f"CPU paged attention: {_ERRORS.get(status, f'error {status}')} "
-                         f"(heads {num_heads}, kv_heads {num_kv_heads}, head_dim {head_dim})")
-    return out
+    raise ValueError("out must be shaped like q, with its dtype and a contiguous head_dim")
