@@ -1,11 +1,13 @@
-/* The decoder layer's small fused ops for a CPU, float32: RMSNorm (with the residual add before
- * it) and the rotary embedding, each one pass over its rows instead of several torch ops.
+/* The decode step's small ops for a CPU, float32, each one pass over its rows instead of several
+ * torch ops: RMSNorm (with the residual add before it), the rotary embedding, the KV cache write,
+ * and the greedy argmax over the logits.
  *
  * Built by build.py; called through fused_ops.py, which checks dtypes and layouts. Every tensor
  * comes as a pointer plus its row strides (in elements); the last dimension is contiguous.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The reference rounds every product on its own (x * cos, then + or -): no fused multiply-add,
  * so the rotation is bitwise the torch path's. */
@@ -74,4 +76,89 @@ int rotary_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t toke
         }
     }
     return 0;
+}
+
+/* Copies row t of k and of v (row_size floats each) into slot slots[t] of the key and value
+ * caches [num_slots, row_size] (a layer's [num_blocks, block_size, kv_heads, head_dim] seen flat).
+ * Returns 1, touching nothing, if a slot is outside the caches. Several rows may share a slot
+ * (padding requests all write slot 0 of the null block): the last one wins. */
+int kv_cache_write_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
+                       float *value_cache, const int64_t *slots, int64_t tokens, int64_t row_size,
+                       int64_t num_slots)
+{
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return 1;
+    const size_t bytes = (size_t)row_size * sizeof(float);
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(key_cache + slots[t] * row_size, k + t * k_stride, bytes);
+        memcpy(value_cache + slots[t] * row_size, v + t * v_stride, bytes);
+    }
+    return 0;
+}
+
+/* Vectors of 16 lanes (GNU C vector extensions: one AVX-512 register, two AVX2 ones, ...). */
+#define ARGMAX_LANES 16
+typedef float argmax_vec __attribute__((vector_size(ARGMAX_LANES * sizeof(float))));
+typedef int32_t argmax_ivec __attribute__((vector_size(ARGMAX_LANES * sizeof(int32_t))));
+
+/* The index of row r's largest entry, torch.argmax's: the first one among equals, and the first
+ * NaN where there is one (NaN counts as the largest). Each lane keeps the first maximum of its
+ * own columns (a strict >), so the row's first maximum is the smallest index among the lanes
+ * holding the largest value; columns past the last whole vector come after every lane's. */
+static int64_t argmax_row(const float *x, int64_t cols)
+{
+    int64_t best = 0;
+    float best_value = x[0];
+    int64_t start = 0;
+    int has_nan = 0;
+    if (cols >= ARGMAX_LANES) {
+        argmax_vec values;
+        argmax_ivec indices, lane_indices, nan = {0};
+        memcpy(&values, x, sizeof values);
+        for (int j = 0; j < ARGMAX_LANES; j++)
+            indices[j] = j;
+        lane_indices = indices;
+        start = cols - cols % ARGMAX_LANES;
+        for (int64_t i = ARGMAX_LANES; i < start; i += ARGMAX_LANES) {
+            argmax_vec v;
+            memcpy(&v, x + i, sizeof v);
+            lane_indices += ARGMAX_LANES;
+            const argmax_ivec greater = v > values;
+            nan |= v != v;
+            values = (argmax_vec)(((argmax_ivec)v & greater) | ((argmax_ivec)values & ~greater));
+            indices = (lane_indices & greater) | (indices & ~greater);
+        }
+        nan |= values != values;
+        for (int j = 0; j < ARGMAX_LANES; j++)
+            has_nan |= nan[j];
+        best_value = values[0];
+        best = indices[0];
+        for (int j = 1; j < ARGMAX_LANES; j++)
+            if (values[j] > best_value || (values[j] == best_value && indices[j] < best)) {
+                best_value = values[j];
+                best = indices[j];
+            }
+    }
+    if (has_nan)
+        for (int64_t i = 0; i < start; i++)
+            if (x[i] != x[i])
+                return i;
+    for (int64_t i = start; i < cols; i++) {
+        if (x[i] != x[i])
+            return i;
+        if (x[i] > best_value) {
+            best_value = x[i];
+            best = i;
+        }
+    }
+    return best;
+}
+
+/* out[r] = argmax of row r of x [rows, cols] (row stride x_stride), as argmax_row. */
+void argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t *out, int threads)
+{
+    #pragma omp parallel for num_threads(threads) if (rows * cols >= 4 * PARALLEL_MIN && threads > 1)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = argmax_row(x + r * x_stride, cols);
 }

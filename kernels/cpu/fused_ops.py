@@ -1,8 +1,11 @@
-"""RMSNorm (fused with the residual add) and the rotary embedding in C (fused_ops.c), float32.
+"""The decode step's small ops in C (fused_ops.c), float32: RMSNorm (fused with the residual add),
+the rotary embedding, the KV cache write and the greedy argmax.
 
-The decoder layers run them when the attention backend is `cpu`: one call each instead of the
-torch path's several ops (each a dispatch and a pass over memory, which at decode sizes costs
-more than the arithmetic). Their torch references are the model layers' own torch paths.
+The model runs them when the attention backend is `cpu`: one call each instead of the torch
+path's several ops (each a dispatch and a pass over memory, which at decode sizes costs more
+than the arithmetic). Their torch references are the layers' own torch paths, `index_copy_` and
+`torch.argmax` (which on a CPU tracks its index in scalar code: ~20x slower than `amax`).
+The checks here run on every call, so they are kept to plain comparisons.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ def _library() -> ctypes.CDLL:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     library.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]
     library.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i32]
-    library.rms_norm_f32.restype = None
-    library.rotary_f32.restype = ctypes.c_int
+    library.kv_cache_write_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    library.argmax_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    library.rms_norm_f32.restype = library.argmax_f32.restype = None
+    library.rotary_f32.restype = library.kv_cache_write_f32.restype = ctypes.c_int
     return library
 
 
@@ -74,3 +79,38 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0], torch.get_num_threads(),
     ):
         raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rotary tables' length)")
+
+
+def kv_cache_write(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Writes row t of k and v [T, kv_heads, head_dim] (views with contiguous rows, e.g. of the
+    fused QKV output) into slot slot_mapping[t] of the caches [num_blocks, block_size, kv_heads,
+    head_dim]: `index_copy_` into the caches seen flat, in one call for both."""
+    row_size = k.shape[1] * k.shape[2]
+    if not (k.dtype == v.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+            and k.is_cpu and v.is_cpu and key_cache.is_cpu and value_cache.is_cpu
+            and k.shape == v.shape and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.shape == value_cache.shape and key_cache.shape[2:] == k.shape[1:]):
+        raise ValueError(f"k and v must be float32 CPU [T, kv_heads, head_dim] views with contiguous rows, and "
+                         f"the caches contiguous [blocks, block_size, kv_heads, head_dim] float32 CPU tensors; got "
+                         f"k {tuple(k.shape)} {k.stride()}, v {tuple(v.shape)} {v.stride()}, caches "
+                         f"{tuple(key_cache.shape)} {key_cache.dtype} and {tuple(value_cache.shape)}")
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != k.shape[:1]:
+        raise ValueError("slot_mapping must be a contiguous int64 vector, one entry per row of k")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if _library().kv_cache_write_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), key_cache.data_ptr(),
+                                     value_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row_size,
+                                     num_slots):
+        raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the caches' slots)")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of x [B, V] float32 (its last dimension contiguous): the first
+    index of each row's maximum, a NaN counting as the maximum."""
+    _check_rows("x", x, 2)
+    if x.shape[1] == 0:
+        raise ValueError("argmax of an empty row")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _library().argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out

@@ -196,7 +196,7 @@ class TorchPagedAttention:
 class CpuPagedAttention:
     """The C kernel in kvpilot.kernels.cpu: one call per layer for the whole packed step, reading
     each request's K/V through its block table where it lies (no gathered or padded copy), with
-    an online softmax; the cache write is torch's `index_copy_`, as in the torch backend.
+    an online softmax; the cache write is one C call for keys and values (fused_ops.c).
 
     bench/attention_options.py measures it against the torch backend.
     """
@@ -204,14 +204,17 @@ class CpuPagedAttention:
     name = "cpu"
 
     def __init__(self) -> None:
-        # Imported here: only an engine that runs this backend compiles the kernel.
+        # Imported here: only an engine that runs this backend compiles the kernels.
+        from kvpilot.kernels.cpu import fused_ops
         from kvpilot.kernels.cpu.paged_attention import build, paged_attention
 
         build()
-        self._attend = paged_attention
+        fused_ops.build()
+        self._attend, self._write = paged_attention, fused_ops.kv_cache_write
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
-        key_cache, value_cache = _write_cache(k, v, kv_cache, metadata.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self._write(k, v, key_cache, value_cache, metadata.slot_mapping)
         return self._attend(q, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                             metadata.seq_lens, scale)
 

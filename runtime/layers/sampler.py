@@ -62,6 +62,20 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.
 
 
 class Sampler(torch.nn.Module):
+    def __init__(self, kernels: str = "torch") -> None:
+        """`kernels`: the attention backend's name, as for the model's layers; with "cpu" the
+        argmaxes run in C (fused_ops.c), with torch.argmax's results."""
+        super().__init__()
+        self._argmax = _torch_argmax
+        if kernels == "cpu":
+            # Imported here: a torch-only engine builds no C.
+            from kvpilot.kernels.cpu.fused_ops import argmax, build
+
+            build()  # a missing compiler fails the engine's start, not its first step
+
+            # The rows it sees are float32 by now (`logits.float()`), on the cpu backend's CPU.
+            self._argmax = argmax
+
     def forward(
         self,
         logits: torch.Tensor,
@@ -77,13 +91,13 @@ class Sampler(torch.nn.Module):
         if metadata.adjustments is not None:
             logits = metadata.adjustments.apply(logits)
         if metadata.all_random:
-            sampled = _sample_random(logits, metadata, generator)
+            sampled = _sample_random(logits, metadata, generator, self._argmax)
         else:
             # Argmax of the raw logits, so greedy decoding matches transformers token for token.
-            sampled = logits.argmax(dim=-1)
+            sampled = self._argmax(logits)
             if not metadata.all_greedy:
                 is_greedy = metadata.temperature < GREEDY_TEMPERATURE
-                sampled = torch.where(is_greedy, sampled, _sample_random(logits, metadata, generator))
+                sampled = torch.where(is_greedy, sampled, _sample_random(logits, metadata, generator, self._argmax))
 
         logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -101,8 +115,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: tor
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 def _sample_random(
-    logits: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None
+    logits: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None, argmax
 ) -> torch.Tensor:
     # Greedy rows of a mixed batch get temperature 1 here so they stay finite; their result is
     # discarded by the caller.
@@ -118,7 +136,7 @@ def _sample_random(
         probs = probs.masked_fill(probs < threshold, 0.0)
     # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i, needs
     # no normalisation after filtering, and lets each seeded row draw its own noise.
-    return (probs / _exponential_noise(probs, metadata.generators, generator)).argmax(dim=-1)
+    return argmax(probs / _exponential_noise(probs, metadata.generators, generator))
 
 
 def _apply_top_k_top_p(

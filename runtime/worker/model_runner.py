@@ -28,7 +28,7 @@ class ModelRunner:
         self.max_model_len = config.scheduler.max_model_len
         backend = get_attention_backend(config.model.attention_backend, device, config.model.torch_dtype)
         self.model = load_model(config.model, backend, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(backend.name)
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
         sched = config.scheduler
         max_blocks_per_req = -(-self.max_model_len // self.block_size)

@@ -106,3 +106,50 @@ def test_greedy_generation_with_the_c_kernels_matches_the_torch_path(tiny_llama_
         for token, mine, ref in zip(ours.token_ids, ours.logprobs, theirs.logprobs):
             assert mine.keys() == ref.keys()
             assert mine[token].logprob == pytest.approx(ref[token].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 2048, 49157])
+def test_argmax_is_torch_argmax_with_ties_nans_and_infinities(vocab):
+    gen = _gen(vocab)
+    rows = [torch.randn(vocab, generator=gen) for _ in range(4)]
+    rows.append(rows[0].round())  # many ties: the first maximum wins
+    rows.append(torch.full((vocab,), float("-inf")))
+    with_nans = torch.randn(vocab, generator=gen)
+    with_nans[torch.rand(vocab, generator=gen) < 0.1] = float("nan")
+    with_nans[-1] = float("nan")  # a NaN in the tail past the last whole vector too
+    rows.append(with_nans)
+    late_nan = torch.randn(vocab, generator=gen)
+    late_nan[vocab // 2] = float("nan")
+    rows.append(late_nan)
+    logits = torch.stack(rows)
+    # A strided view, as the LM head's output cut to the vocabulary is.
+    padded = torch.zeros(len(rows), vocab + 3)
+    padded[:, :vocab] = logits
+    for x in (logits, padded[:, :vocab]):
+        assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+
+
+def test_kv_cache_write_is_index_copy_on_the_flat_caches():
+    kv_heads, head_dim, tokens, block_size = 2, 8, 5, 4
+    gen = _gen(3)
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, generator=gen)
+    k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    caches = torch.randn(2, 6, block_size, kv_heads, head_dim, generator=gen)
+    # Two rows share slot 0 (as padding requests do): the last one wins, as in index_copy_.
+    slots = torch.tensor([9, 0, 23, 4, 0])
+    expected = caches.clone()
+    for cache, rows in zip(expected, (k, v)):
+        for t, slot in enumerate(slots.tolist()):
+            cache.view(-1, kv_heads, head_dim)[slot] = rows[t]
+    fused_ops.kv_cache_write(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches, expected)
+
+    before = caches.clone()
+    with pytest.raises(ValueError, match=r"slot_mapping must lie in \[0, 24\)"):
+        fused_ops.kv_cache_write(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 24, 3]))
+    with pytest.raises(ValueError, match="contiguous int64"):
+        fused_ops.kv_cache_write(k, v, caches[0], caches[1], slots.int())
+    with pytest.raises(ValueError, match="float32"):
+        fused_ops.kv_cache_write(k.double(), v.double(), caches[0], caches[1], slots)
+    assert torch.equal(caches, before)

@@ -246,3 +246,18 @@ def test_logit_bias_steers_greedy_and_random_rows_but_not_the_logprobs():
     # The logprobs are the model's own (vLLM's raw_logprobs), bias or not.
     raw = logits.log_softmax(dim=-1)
     assert torch.allclose(out.logprobs.logprobs[:, 0], raw.gather(-1, out.sampled_token_ids.unsqueeze(-1))[:, 0])
+
+
+def test_the_c_argmax_samples_what_torch_samples():
+    """Sampler("cpu") (the C argmax, for greedy rows and the exponential race) against torch's."""
+    from kvpilot.kernels.cpu.build import KernelBuildError
+
+    try:
+        c_sampler = Sampler("cpu")
+    except KernelBuildError as error:
+        pytest.skip(f"the C kernels do not build here: {error}")
+    logits = torch.randn(8, 3000, generator=_seeded(20)).round(decimals=1)  # with ties
+    for temperature in ([0.0] * 8, [1.0] * 8, [0.0, 0.7, 1.0, 0.0, 1.3, 0.0, 0.5, 2.0]):
+        sampled = [sampler(logits, _metadata(temperature, top_k=[0, 5] * 4), generator=_seeded(21)).sampled_token_ids
+                   for sampler in (Sampler(), c_sampler)]
+        assert torch.equal(*sampled)
