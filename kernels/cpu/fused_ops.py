@@ -36,8 +36,12 @@ def build() -> None:
     _library()
 
 
+def _rows_ok(tensor: torch.Tensor, dims: int) -> bool:
+    return tensor.dtype == torch.float32 and tensor.is_cpu and tensor.dim() == dims and tensor.stride(-1) == 1
+
+
 def _check_rows(name: str, tensor: torch.Tensor, dims: int) -> None:
-    if not tensor.is_cpu or tensor.dtype != torch.float32 or tensor.dim() != dims or tensor.stride(-1) != 1:
+    if not _rows_ok(tensor, dims):
         raise ValueError(f"{name} must be a float32 CPU tensor of {dims} dimensions with a contiguous last "
                          f"dimension, got {tensor.dtype} {tuple(tensor.shape)} strides {tensor.stride()} "
                          f"on {tensor.device}")
@@ -47,29 +51,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """x: [T, hidden]. Returns weight * normalised x in a new tensor; or, given a residual
     [T, hidden], adds x into it in place, then normalises the sum into x itself and returns x (the
     decoder layers drop their x once it is in the residual stream: no new tensor per call)."""
-    _check_rows("x", x, 2)
-    _check_rows("weight", weight, 1)
-    if weight.shape[0] != x.shape[1]:
-        raise ValueError(f"weight has {weight.shape[0]} entries for a hidden size of {x.shape[1]}")
+    if not (_rows_ok(x, 2) and _rows_ok(weight, 1) and weight.shape[0] == x.shape[1]
+            and (residual is None or (_rows_ok(residual, 2) and residual.shape == x.shape))):
+        _refuse_rms_norm(x, weight, residual)
     if residual is None:
         out, residual_ptr, residual_stride = torch.empty(x.shape, dtype=x.dtype), None, 0
     else:
-        _check_rows("residual", residual, 2)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual {tuple(residual.shape)} must be shaped like x {tuple(x.shape)}")
         out, residual_ptr, residual_stride = x, residual.data_ptr(), residual.stride(0)
     _library().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), residual_ptr, residual_stride,
                             weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 
+def _refuse_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    _check_rows("x", x, 2)
+    _check_rows("weight", weight, 1)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[0]} entries for a hidden size of {x.shape[1]}")
+    _check_rows("residual", residual, 2)
+    raise ValueError(f"residual {tuple(residual.shape)} must be shaped like x {tuple(x.shape)}")
+
+
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [T, heads, head_dim] in place (it may be a strided view); positions: [T] int64;
     cos, sin: [max_position, >= head_dim / 2], of which the first half of each row is read."""
-    _check_rows("x", x, 3)
-    _check_rows("cos", cos, 2)
-    half = x.shape[2] // 2
-    if sin.stride() != cos.stride() or sin.shape != cos.shape or sin.dtype != cos.dtype or cos.shape[1] < half:
+    half = x.shape[-1] // 2
+    if not (_rows_ok(x, 3) and _rows_ok(cos, 2) and sin.stride() == cos.stride() and sin.shape == cos.shape
+            and sin.dtype == cos.dtype and cos.shape[1] >= half):
+        _check_rows("x", x, 3)
+        _check_rows("cos", cos, 2)
         raise ValueError("cos and sin must share one shape and layout, with at least head_dim / 2 columns")
     if positions.dtype != torch.int64 or positions.dim() != 1 or positions.stride(0) != 1 \
             or positions.shape[0] != x.shape[0]:

@@ -213,7 +213,7 @@ class CpuPagedAttention:
         self._attend, self._write = paged_attention, fused_ops.kv_cache_write
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = kv_cache.unbind(0)
         self._write(k, v, key_cache, value_cache, metadata.slot_mapping)
         return self._attend(q, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                             metadata.seq_lens, scale)
@@ -235,7 +235,7 @@ class TritonPagedAttention:
         self._attend, self._write = paged_attention, reshape_and_cache
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = kv_cache.unbind(0)
         self._write(k, v, key_cache, value_cache, metadata.slot_mapping)
         return self._attend(q, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                             metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len)
@@ -301,8 +301,7 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
 
     def forward(self, q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (views of the fused QKV output).
+        Returns [T, heads * head_dim]."""
         out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
