@@ -44,6 +44,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         eos = config.model.eos_token_ids
         self.logits_state = LogitsState(config.model.vocab_size, eos[0] if eos else None, device)
+        self._sampled_req_ids: list[str] | None = None
+        self._sampling_settings: dict = {}
 
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.model.attention_layers[0]
@@ -122,8 +124,11 @@ class ModelRunner:
         self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
         tokens = output.sampled_token_ids.tolist()
         self.batch.append_tokens(sample_rows, tokens)
-        for j, i in enumerate(sample_idx.tolist()):
-            sampled[i].append(tokens[j])
+        if every_row:
+            sampled[:] = [[token] for token in tokens]
+        else:
+            for j, i in enumerate(sample_idx.tolist()):
+                sampled[i].append(tokens[j])
         if output.logprobs is not None:
             for j, i in enumerate(sample_idx):
                 num = self.batch.num_logprobs.get(step.req_ids[i])
@@ -151,9 +156,24 @@ class ModelRunner:
         for cached in scheduler_output.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
+        if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids or scheduler_output.scheduled_new_reqs:
+            # A request id may come back with other parameters (finished, then reused).
+            self._sampled_req_ids = None
         self.batch.condense()
 
     def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
+        # A request's sampling parameters never change, so the rows' settings are a function of
+        # the sampled requests in their order: the same list as last step (most steps, unless
+        # requests came or went) reuses them.
+        if req_ids != self._sampled_req_ids:
+            self._sampled_req_ids, self._sampling_settings = list(req_ids), self._sampling_settings_of(rows, req_ids)
+        return SamplingMetadata(
+            **self._sampling_settings,
+            adjustments=self.logits_state.adjustments(req_ids, lambda i: self.batch.output_token_ids(rows[i])),
+        )
+
+    def _sampling_settings_of(self, rows: np.ndarray, req_ids: list[str]) -> dict:
+        """SamplingMetadata's fields that depend on the requests alone (not on their tokens)."""
         temperature = self.batch.temperature[rows]
         top_k, top_p, min_p = self.batch.top_k[rows], self.batch.top_p[rows], self.batch.min_p[rows]
         greedy = temperature < GREEDY_TEMPERATURE
@@ -161,14 +181,13 @@ class ModelRunner:
         asked = [self.batch.num_logprobs[r] for r in req_ids if r in self.batch.num_logprobs] \
             if self.batch.num_logprobs else []
         generators = self.batch.generators
-        return SamplingMetadata(
+        return dict(
             temperature=_tensor(temperature, self.device),
             top_k=_tensor(top_k, self.device) if (top_k > 0).any() else None,
             top_p=_tensor(top_p, self.device) if (top_p < 1).any() else None,
             min_p=_tensor(min_p, self.device) if (min_p > 0).any() else None,
             generators={i: generators[r] for i, r in enumerate(req_ids) if r in generators} if generators else {},
             max_num_logprobs=max(asked) if asked else None,
-            adjustments=self.logits_state.adjustments(req_ids, lambda i: self.batch.output_token_ids(rows[i])),
             all_greedy=bool(greedy.all()),
             all_random=not greedy.any(),
         )

@@ -51,16 +51,27 @@ class StepInputs:
 
     @classmethod
     def build(cls, batch: InputBatch, num_scheduled: dict[str, int], block_size: int) -> "StepInputs":
-        req_ids = [r for r in batch.req_ids if r is not None and r in num_scheduled]
-        rows = np.array([batch.row_of[r] for r in req_ids], dtype=np.int64)
-        counts = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
+        """`batch` is condensed (no empty rows) and holds every scheduled request."""
+        if len(num_scheduled) == len(batch.req_ids):
+            # Every row is scheduled (the usual decode step): no search for the rows.
+            req_ids = list(batch.req_ids)
+            rows = np.arange(len(req_ids))
+        else:
+            req_ids = [r for r in batch.req_ids if r in num_scheduled]
+            rows = np.fromiter(map(batch.row_of.__getitem__, req_ids), np.int64, len(req_ids))
+        counts = np.fromiter(map(num_scheduled.__getitem__, req_ids), np.int64, len(req_ids))
         starts = batch.num_computed_tokens[rows]
         seq_lens = starts + counts
-        query_start_loc = np.concatenate(([0], np.cumsum(counts)))
-
-        token_rows = np.repeat(rows, counts)
-        offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], counts)
-        positions = np.repeat(starts, counts) + offsets
+        num_tokens = int(counts.sum())
+        if num_tokens == len(req_ids):
+            # One token per request: each request's token is its row's next position.
+            query_start_loc = np.arange(num_tokens + 1)
+            token_rows, positions = rows, starts
+        else:
+            query_start_loc = np.concatenate(([0], np.cumsum(counts)))
+            token_rows = np.repeat(rows, counts)
+            offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], counts)
+            positions = np.repeat(starts, counts) + offsets
         block_ids = batch.block_table[token_rows, positions // block_size]
         max_blocks = int(-(-seq_lens.max() // block_size))
         return cls(
@@ -125,16 +136,20 @@ class StepBuffers:
         padded_reqs = padded_reqs or num_reqs
         num_tokens = step.num_tokens + padded_reqs - num_reqs
         host = self._host_np
-        for name in ("input_ids", "positions", "slot_mapping"):
-            host[name][: step.num_tokens] = getattr(step, name)
-            host[name][step.num_tokens : num_tokens] = 0
+        host["input_ids"][: step.num_tokens] = step.input_ids
+        host["positions"][: step.num_tokens] = step.positions
+        host["slot_mapping"][: step.num_tokens] = step.slot_mapping
         host["query_start_loc"][: num_reqs + 1] = step.query_start_loc
-        host["query_start_loc"][num_reqs + 1 : padded_reqs + 1] = step.num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
         host["seq_lens"][:num_reqs] = step.seq_lens
-        host["seq_lens"][num_reqs:padded_reqs] = 1
         width = host["block_tables"].shape[1] if full_block_tables else step.block_tables.shape[1]
         host["block_tables"][:num_reqs, : step.block_tables.shape[1]] = step.block_tables
-        host["block_tables"][num_reqs:padded_reqs, :width] = 0
+        if padded_reqs > num_reqs:
+            for name in ("input_ids", "positions", "slot_mapping"):
+                host[name][step.num_tokens : num_tokens] = 0
+            host["query_start_loc"][num_reqs + 1 : padded_reqs + 1] = \
+                step.num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
+            host["seq_lens"][num_reqs:padded_reqs] = 1
+            host["block_tables"][num_reqs:padded_reqs, :width] = 0
 
         sizes = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
                  "query_start_loc": padded_reqs + 1, "seq_lens": padded_reqs, "block_tables": padded_reqs}
