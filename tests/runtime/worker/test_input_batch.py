@@ -65,6 +65,30 @@ def test_step_inputs_flatten_positions_slots_and_block_tables():
     assert step.block_tables.tolist() == [[7, 3], [2, 9]]
 
 
+def test_decode_step_inputs_for_every_row_and_for_some_rows():
+    """A step that decodes every row (no row search, no repeats) and one that skips a row."""
+    batch = _batch()
+    batch.add_request(_new("a", [1, 2, 3, 4, 5], [6, 2], computed=4))  # position 4: block 2, offset 0
+    batch.add_request(_new("b", [7, 8, 9], [5], computed=2))  # position 2: block 5, offset 2
+    batch.add_request(_new("c", [4] * 9, [1, 3, 8], computed=8))  # position 8: block 8, offset 0
+    every = StepInputs.build(batch, {"c": 1, "a": 1, "b": 1}, BLOCK_SIZE)
+    assert every.req_ids == ["a", "b", "c"] and every.rows.tolist() == [0, 1, 2]
+    assert every.positions.tolist() == every.starts.tolist() == [4, 2, 8]
+    assert every.input_ids.tolist() == [5, 9, 4]
+    assert every.slot_mapping.tolist() == [8, 22, 32]
+    assert every.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert every.seq_lens.tolist() == [5, 3, 9] and every.max_query_len == 1
+    assert every.block_tables.tolist() == [[6, 2, 0], [5, 0, 0], [1, 3, 8]]
+    # The step's req_ids are its own list: the batch's later changes do not reach them.
+    assert every.req_ids is not batch.req_ids
+
+    some = StepInputs.build(batch, {"c": 1, "a": 1}, BLOCK_SIZE)
+    assert some.req_ids == ["a", "c"] and some.rows.tolist() == [0, 2]
+    assert some.slot_mapping.tolist() == [8, 32]
+    assert some.query_start_loc.tolist() == [0, 1, 2]
+    assert some.block_tables.tolist() == [[6, 2, 0], [1, 3, 8]]
+
+
 def test_the_layout_does_not_depend_on_the_order_rows_were_freed():
     """TP ranks replay the same removals; whatever order they come in, every rank ends up alike."""
     layouts = []
