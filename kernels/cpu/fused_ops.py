@@ -97,13 +97,14 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     fused QKV output) into slot slot_mapping[t] of the caches [num_blocks, block_size, kv_heads,
     head_dim]: `index_copy_` into the caches seen flat, in one call for both."""
     row_size = k.shape[1] * k.shape[2]
+    if not (k.is_cpu and v.is_cpu and key_cache.is_cpu and value_cache.is_cpu and slot_mapping.is_cpu):
+        raise ValueError("the C KV cache write takes CPU tensors only")
     if not (k.dtype == v.dtype == key_cache.dtype == value_cache.dtype == torch.float32
-            and k.is_cpu and v.is_cpu and key_cache.is_cpu and value_cache.is_cpu
             and k.shape == v.shape and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and key_cache.shape == value_cache.shape and key_cache.shape[2:] == k.shape[1:]):
-        raise ValueError(f"k and v must be float32 CPU [T, kv_heads, head_dim] views with contiguous rows, and "
-                         f"the caches contiguous [blocks, block_size, kv_heads, head_dim] float32 CPU tensors; got "
+        raise ValueError(f"k and v must be float32 [T, kv_heads, head_dim] views with contiguous rows, and "
+                         f"the caches contiguous [blocks, block_size, kv_heads, head_dim] float32 tensors; got "
                          f"k {tuple(k.shape)} {k.stride()}, v {tuple(v.shape)} {v.stride()}, caches "
                          f"{tuple(key_cache.shape)} {key_cache.dtype} and {tuple(value_cache.shape)}")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != k.shape[:1]:
