@@ -51,16 +51,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """x: [T, hidden]. Returns weight * normalised x in a new tensor; or, given a residual
     [T, hidden], adds x into it in place, then normalises the sum into x itself and returns x (the
     decoder layers drop their x once it is in the residual stream: no new tensor per call)."""
-    if not (_rows_ok(x, 2) and _rows_ok(weight, 1) and weight.shape[0] == x.shape[1]
-            and (residual is None or (_rows_ok(residual, 2) and residual.shape == x.shape))):
-        _refuse_rms_norm(x, weight, residual)
     if residual is None:
-        out, residual_ptr, residual_stride = torch.empty(x.shape, dtype=x.dtype), None, 0
+        if not (_rows_ok(x, 2) and _rows_ok(weight, 1) and weight.shape[0] == x.shape[1]):
+            _refuse_rms_norm(x, weight, residual)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        _library().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), None, 0,
+                                weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out
+    # The decoder layers' call, twice per layer: contiguous tensors (as every projection's output
+    # and the residual stream are) need only a few comparisons; strided rows the full checks.
+    if x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous() \
+            and x.dtype == residual.dtype == weight.dtype == torch.float32 and x.is_cpu and residual.is_cpu \
+            and weight.is_cpu and x.dim() == 2 and weight.dim() == 1 and residual.shape == x.shape \
+            and weight.shape[0] == x.shape[1]:
+        x_stride = residual_stride = x.shape[1]
+    elif _rows_ok(x, 2) and _rows_ok(weight, 1) and _rows_ok(residual, 2) and weight.shape[0] == x.shape[1] \
+            and residual.shape == x.shape:
+        x_stride, residual_stride = x.stride(0), residual.stride(0)
     else:
-        out, residual_ptr, residual_stride = x, residual.data_ptr(), residual.stride(0)
-    _library().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), residual_ptr, residual_stride,
-                            weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return out
+        _refuse_rms_norm(x, weight, residual)
+    ptr = x.data_ptr()
+    _library().rms_norm_f32(ptr, x_stride, ptr, x_stride, residual.data_ptr(), residual_stride, weight.data_ptr(),
+                            x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return x
 
 
 def _refuse_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

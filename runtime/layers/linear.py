@@ -49,6 +49,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.shard_size = _split(input_size, "input size")
+        # Asked once: the group is formed before the model is built (and a decode step would
+        # otherwise ask torch.distributed twice per layer).
+        self.sharded = tp_size() > 1
         self.weight = nn.Parameter(torch.empty(output_size, self.shard_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
 
@@ -59,7 +62,9 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(full.narrow(1, tp_rank() * self.shard_size, self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if self.sharded:
+            out = all_reduce(out)
         # The bias is added once, after the sum, not once per rank.
         return out if self.bias is None else out + self.bias
 
@@ -72,6 +77,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // tp_size())
         self.start = tp_rank() * self.shard_size
+        self.sharded = tp_size() > 1
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def load(self, param_name: str, full: torch.Tensor, index: int = 0) -> None:
@@ -79,7 +85,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if not self.sharded:
             return F.embedding(token_ids, self.weight)
         local = token_ids - self.start
         outside = (local < 0) | (local >= self.shard_size)
@@ -91,4 +97,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; shares its weight with the embedding when the checkpoint ties them."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return F.linear(hidden, self.weight)
         return all_gather_last_dim(F.linear(hidden, self.weight))[..., : self.vocab_size]
