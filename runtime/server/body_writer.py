@@ -11,12 +11,13 @@ waits) and its disconnect check kept.
 The chunks a connection gets within one turn of the event loop go out in one socket write, at the
 end of that turn: one write per stream per engine step however many outputs of the stream the
 step's message (or a backlog of them) held, and the writes of all the streams of a step back to
-back, while the client side is still awake to read them.
+back, from one callback, while the client side is still awake to read them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 
@@ -24,10 +25,34 @@ from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 BODY_WRITER = "kvpilot.body_writer"
 
 
+class _TurnFlush:
+    """The writers of one event loop with chunks queued in this turn, flushed by one callback."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._writers: list[BodyWriter] = []
+
+    def add(self, writer: BodyWriter) -> None:
+        if not self._writers:
+            self._loop.call_soon(self._flush)
+        self._writers.append(writer)
+
+    def _flush(self) -> None:
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.flush()
+
+
+_turn_flushes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnFlush] = weakref.WeakKeyDictionary()
+
+
 class BodyWriter:
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = cycle
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        self._turn_flush = _turn_flushes.get(loop)
+        if self._turn_flush is None:
+            self._turn_flush = _turn_flushes[loop] = _TurnFlush(loop)
         self._pending: list[bytes] = []
 
     def must_wait(self) -> bool:
@@ -47,7 +72,7 @@ class BodyWriter:
         if not cycle.response_started or cycle.response_complete:
             raise RuntimeError("a body chunk outside a streamed response")
         if not self._pending:
-            self._loop.call_soon(self.flush)
+            self._turn_flush.add(self)
         self._pending.append(b"%x\r\n%s\r\n" % (len(chunk), chunk))
 
     def flush(self) -> None:

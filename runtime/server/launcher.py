@@ -13,6 +13,7 @@ import uvicorn
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_llm import AsyncLLM
+from kvpilot.runtime.engine.core_process import freeze_startup_heap
 from kvpilot.runtime.server.api_server import ServerConfig, build_app
 from kvpilot.runtime.server.connections import guarded_protocol
 from kvpilot.runtime.server.log_redaction import redact_access_log
@@ -48,6 +49,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig, host: str, p
         redact_access_log()
         server = DrainingServer(uvicorn_config, state, shutdown_timeout)
         engine.on_engine_dead(server.engine_died)
+        # The app, the tokenizer and the libraries live as long as the process: out of the cyclic
+        # GC's way, its collections walk only what requests allocate (~7 % of the API server's CPU
+        # under 64 streams went to walking them). vLLM's API server does the same.
+        freeze_startup_heap()
         await server.serve()
     finally:
         engine.shutdown()

@@ -77,6 +77,7 @@ class ServerMetrics:
         self._scheduling_policy = Gauge("kvpilot:scheduling_policy_info",
                                         "The engine's scheduling policy: 1 for the current one.",
                                         ["model_name", "policy"], registry=registry)
+        self._policy_shown: SchedulingPolicy | None = None
 
         # The engine reports these cumulatively; they are exported by the delta.
         self._engine_counters = {
@@ -131,8 +132,11 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        for policy in SchedulingPolicy:
-            self._scheduling_policy.labels(self.model_name, policy).set(1 if policy == stats.scheduling_policy else 0)
+        # Pushed after every engine step: the info gauge's series are looked up only when it changes.
+        if stats.scheduling_policy != self._policy_shown:
+            self._policy_shown = stats.scheduling_policy
+            for policy in SchedulingPolicy:
+                self._scheduling_policy.labels(self.model_name, policy).set(1 if policy == stats.scheduling_policy else 0)
         for name, counter in self._engine_counters.items():
             total = getattr(stats, name)
             # A scrape's own get_stats result can be recorded after newer pushed stats: never go back.

@@ -70,11 +70,8 @@ class StallingStreamingResponse(StreamingResponse):
             sending_since = None
 
         writer: BodyWriter | None = extensions.get(BODY_WRITER)
-        listener = asyncio.create_task(listen_for_disconnect())
-        timer = loop.call_later(self.stall_timeout_s, watch)
-        try:
-            await watched(send({"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers}))
+
+        async def send_body() -> None:
             async for chunk in self.body_iterator:
                 if not isinstance(chunk, bytes):
                     chunk = chunk.encode(self.charset)
@@ -84,6 +81,16 @@ class StallingStreamingResponse(StreamingResponse):
                 if writer.must_wait():
                     await watched(writer.drain())
                 writer.write(chunk)
+
+        listener = asyncio.create_task(listen_for_disconnect())
+        timer = loop.call_later(self.stall_timeout_s, watch)
+        try:
+            await watched(send({"type": "http.response.start", "status": self.status_code,
+                                "headers": self.raw_headers}))
+            # A task of its own: this one runs inside every middleware's and the router's
+            # coroutine, some twenty frames that each wake-up (one per chunk) would resume in
+            # turn. Cancelling this task (end()) cancels that one, which it awaits.
+            await asyncio.create_task(send_body())
             if writer is not None:
                 writer.flush()
             ended_by = "end"  # the last send completes the response, which the listener sees as a disconnect
