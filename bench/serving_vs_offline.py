@@ -76,9 +76,8 @@ async def _serve_all(base_url: str, prompts: list[list[int]], max_tokens: int) -
     return sum(counts), time.perf_counter() - start
 
 
-def _child_cpu_seconds(parent: int, marker: bytes) -> tuple[int, float]:
-    """The pid and CPU time (user + system, every thread) of `parent`'s child whose command line
-    holds `marker`."""
+def _child_pid(parent: int, marker: bytes) -> int:
+    """The pid of `parent`'s child whose command line holds `marker`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -89,18 +88,28 @@ def _child_cpu_seconds(parent: int, marker: bytes) -> tuple[int, float]:
                 cmdline = f.read()
         except OSError:
             continue
-        # After the name: state, ppid, ... utime and stime are the 12th and 13th.
+        # After the name: state, then ppid.
         if int(fields[1]) == parent and marker in cmdline:
-            return int(entry), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return int(entry)
     raise RuntimeError(f"process {parent} has no child running {marker!r}")
 
 
-def _server_cpu_seconds(base_url: str) -> tuple[float, float]:
-    """CPU seconds so far of the `kvpilot serve` process this script started on `base_url`'s port
-    (the API server) and of its EngineCore process."""
-    api_pid, api = _child_cpu_seconds(os.getpid(), b"\0--port\0%d\0" % urlsplit(base_url).port)
-    _, engine = _child_cpu_seconds(api_pid, b"spawn_main")
-    return api, engine
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds so far of every thread of `pid`, from schedstat's nanoseconds (/proc/PID/stat
+    counts 10 ms ticks: a few percent of one repetition's API-server time)."""
+    total = 0
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            with open(f"/proc/{pid}/task/{thread}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def _server_pids(base_url: str) -> tuple[int, int]:
+    """The `kvpilot serve` process this script started on `base_url`'s port (the API server) and
+    its EngineCore process."""
+    api_pid = _child_pid(os.getpid(), b"\0--port\0%d\0" % urlsplit(base_url).port)
+    return api_pid, _child_pid(api_pid, b"spawn_main")
 
 
 def _offline(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, float]:
@@ -125,11 +134,12 @@ class HTTPSide:
     client_cpu: list[float] = field(default_factory=list)
 
     def run(self, prompts: list[list[int]], max_tokens: int, expected_tokens: int) -> None:
-        api_before, engine_before = _server_cpu_seconds(self.base_url)
+        api_pid, engine_pid = _server_pids(self.base_url)
+        api_before, engine_before = _cpu_seconds(api_pid), _cpu_seconds(engine_pid)
         client_before = time.process_time()
         tokens, seconds = asyncio.run(_serve_all(self.base_url, prompts, max_tokens))
         client = time.process_time() - client_before
-        api_after, engine_after = _server_cpu_seconds(self.base_url)
+        api_after, engine_after = _cpu_seconds(api_pid), _cpu_seconds(engine_pid)
         if tokens != expected_tokens:
             raise SystemExit(f"{self.name}: HTTP generated {tokens} tokens, offline {expected_tokens}")
         self.rates.append(tokens / seconds)
@@ -182,7 +192,7 @@ def _measure(args, model_dir: str, threads: int, baseline_tree: str | None, rng:
         warm = new_prompts()[:2]
         _offline(llm, warm, 4)
         for side in sides:
-            _server_cpu_seconds(side.base_url)  # fails now, not after a timed run, if the processes are not found
+            _server_pids(side.base_url)  # fails now, not after a timed run, if the processes are not found
             asyncio.run(_serve_all(side.base_url, warm, 4))
         for repetition in range(args.repetitions):
             prompts = new_prompts()
@@ -196,9 +206,8 @@ def _measure(args, model_dir: str, threads: int, baseline_tree: str | None, rng:
     for side in sides:
         ratio = statistics.median(side.rates) / statistics.median(offline_rates)
         # What HTTP / offline would be where CPU time is the limit: the same work costs this much more.
-        # A run too short for the processes' CPU clocks (10 ms ticks) to move has no ratio to give.
         serving_cpu = statistics.median(side.api_cpu) + statistics.median(side.engine_cpu)
-        cpu_ratio = f"{statistics.median(offline_cpu) / serving_cpu:.2f}x" if serving_cpu else "-"
+        cpu_ratio = f"{statistics.median(offline_cpu) / serving_cpu:.2f}x"
         print(f"| {workload}, {threads} torch thread(s) | {side.name} | {_rates(side.rates)} | {_rates(offline_rates)} | "
               f"{ratio:.2f}x | {_us(offline_cpu)} us; {_us(side.api_cpu)} + {_us(side.engine_cpu)} us | "
               f"{_us(side.client_cpu)} us | {cpu_ratio} |", flush=True)
