@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# libgomp's spins before an idle OpenMP thread sleeps, in this process (run_engine_core).
-OPENMP_SPIN_COUNT = 1000
-
 # While idle, how often the loop checks that the API-server process is still its parent.
 IDLE_POLL_SECONDS = 1.0
 
@@ -69,13 +66,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     # Busy or idle, the engine ends within a poll of its API server's death, with its socket folder.
     remove_if_orphaned(os.path.dirname(input_address.removeprefix("ipc://")))
     exit_with_parent()
-    # Read once, when torch loads libgomp (the OpenMP of torch's Linux wheels). An idle libgomp
-    # thread spins 300,000 times before it sleeps, through the step's serial parts (Python, the
-    # scheduler) and while a busy peer is descheduled: a core this process shares with its API
-    # server (on CPU, with the clients too), which then waits. 1,000 spins still bridge the gaps
-    # between back-to-back parallel ops; measured in BENCHMARKS.md (HTTP serving). A value in
-    # the environment wins.
-    os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
     context = zmq.Context()
     outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
     output_thread = threading.Thread(target=_send_outputs, args=(output_address, outputs),
