@@ -59,7 +59,9 @@ def _check_unicode(value) -> None:
             _check_unicode(item)
     elif isinstance(value, list):
         for item in value:
-            _check_unicode(item)
+            # Token ids, the bulk of a long prompt, hold no text: a 100k-id prompt was 13 ms of the loop.
+            if type(item) is not int:
+                _check_unicode(item)
 
 
 class StreamOptions(RequestBody):

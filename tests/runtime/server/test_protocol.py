@@ -130,6 +130,8 @@ def test_chat_deltas_carry_only_what_changed():
 @pytest.mark.parametrize("body", [
     {"prompt": "\ud800"},
     {"prompt": "ok", "stop": ["fine", "\udfff"]},
+    # Past the token ids of a batch, in a prompt of text.
+    {"prompt": [[5, 6, 7], "\ud800"]},
 ])
 def test_lone_surrogates_are_refused(body):
     with pytest.raises(ValidationError, match="lone surrogate"):
