@@ -245,7 +245,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *restri
  * whole: reading alone, whole blocks streamed from memory 1.2-1.5x faster than a stride through
  * one head's part of every slot; the decode kernel gained 6-13 % (none on SmolLM2's shapes). */
 typedef struct {
-    int64_t req, tile, tile_queries;
+    int64_t req, first_query;  /* the tile's queries: first_query .. first_query + rows / heads - 1 */
     int64_t kv_head, kv_heads; /* the first KV head, and how many */
     int64_t rows;              /* the tile's queries times the query heads of its KV heads */
     int64_t key_end;           /* the keys read are 0 .. key_end - 1: the tile's last query sees them all */
@@ -286,7 +286,7 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
     const int64_t rows = item->rows, key_end = item->key_end;
     const int64_t heads = item->kv_heads * p->group, first_head = item->kv_head * p->group;
     const int64_t q_start = p->query_start_loc[item->req];
-    const int64_t first_query = item->tile * item->tile_queries;
+    const int64_t first_query = item->first_query;
     const int64_t context = key_end - rows / heads - first_query;
     float *restrict queries = w->queries, *restrict accs = w->acc, *restrict keys_t = w->keys_t;
 
@@ -374,48 +374,24 @@ static void attend_tile(const Problem *p, Workspace *w, const Item *item, const 
     }
 }
 
-/* Whether a request's items take all KV heads at once (see Item). */
-static int takes_all_heads(const Problem *p, int64_t q_len) {
-    return p->wide_tile_queries > 0 && q_len * p->group < TRANSPOSE_MIN_ROWS;
-}
-
-/* The first work item of each request, [num_reqs + 1]: items are (tile, KV head) pairs, or tiles
- * of all KV heads. */
-static int64_t *plan_items(const Problem *p, int64_t num_reqs) {
-    int64_t *first = malloc((size_t)(num_reqs + 1) * sizeof *first);
-    if (first == NULL) return NULL;
-    first[0] = 0;
-    for (int64_t i = 0; i < num_reqs; i++) {
-        const int64_t q_len = p->query_start_loc[i + 1] - p->query_start_loc[i];
-        first[i + 1] = first[i] + (takes_all_heads(p, q_len)
-                                       ? (q_len + p->wide_tile_queries - 1) / p->wide_tile_queries
-                                       : (q_len + p->tile_queries - 1) / p->tile_queries * p->num_kv_heads);
-    }
-    return first;
-}
-
-/* The request whose items include `item`: the last i with first[i] <= item. */
-static int64_t find_request(const int64_t *first, int64_t num_reqs, int64_t item) {
-    int64_t lo = 0, hi = num_reqs;
-    while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (first[mid] <= item) lo = mid; else hi = mid;
-    }
-    return lo;
-}
-
-static Item item_at(const Problem *p, const int64_t *first, int64_t num_reqs, int64_t index) {
-    const int64_t req = find_request(first, num_reqs, index);
-    const int64_t local = index - first[req];
+/* The work items of request req, written to items unless it is NULL; returns their number. A
+ * short run of queries (a decode) is tiled against all KV heads at once (see Item), when its
+ * heads fit a tile; a longer one against one KV head per item. */
+static int64_t plan_request(const Problem *p, const int64_t req, Item *items) {
     const int64_t q_len = p->query_start_loc[req + 1] - p->query_start_loc[req];
-    const int all_heads = takes_all_heads(p, q_len);
+    const int all_heads = p->wide_tile_queries > 0 && q_len * p->group < TRANSPOSE_MIN_ROWS;
     const int64_t kv_heads = all_heads ? p->num_kv_heads : 1;
     const int64_t tile_queries = all_heads ? p->wide_tile_queries : p->tile_queries;
-    const int64_t tile = local / (p->num_kv_heads / kv_heads), first_query = tile * tile_queries;
-    const int64_t tile_len = q_len - first_query < tile_queries ? q_len - first_query : tile_queries;
-    return (Item){.req = req, .tile = tile, .tile_queries = tile_queries,
-                  .kv_head = all_heads ? 0 : local % p->num_kv_heads, .kv_heads = kv_heads,
-                  .rows = tile_len * kv_heads * p->group, .key_end = p->seq_lens[req] - q_len + first_query + tile_len};
+    int64_t count = 0;
+    for (int64_t first_query = 0; first_query < q_len; first_query += tile_queries) {
+        const int64_t tile_len = q_len - first_query < tile_queries ? q_len - first_query : tile_queries;
+        for (int64_t kv_head = 0; kv_head < p->num_kv_heads; kv_head += kv_heads, count++)
+            if (items != NULL)
+                items[count] = (Item){.req = req, .first_query = first_query, .kv_head = kv_head,
+                                      .kv_heads = kv_heads, .rows = tile_len * kv_heads * p->group,
+                                      .key_end = p->seq_lens[req] - q_len + first_query + tile_len};
+    }
+    return count;
 }
 
 /* out[T, heads, dim] = attention of q[T, heads, dim] over the paged caches; every float32 and
@@ -447,19 +423,12 @@ int paged_attention_f32(
         .wide_tile_queries = max_rows / num_heads, /* 0: too many heads for one item */
         .scale_log2 = scale * LOG2E,
     };
-    int64_t *first = plan_items(&p, num_reqs);
-    if (first == NULL) return OUT_OF_MEMORY;
-    const int64_t num_items = first[num_reqs];
-    if (num_items == 0) {
-        free(first);
-        return OK;
-    }
+    int64_t num_items = 0;
+    for (int64_t req = 0; req < num_reqs; req++) num_items += plan_request(&p, req, NULL);
+    if (num_items == 0) return OK;
     Item *items = malloc((size_t)num_items * sizeof *items);
-    if (items == NULL) {
-        free(first);
-        return OUT_OF_MEMORY;
-    }
-    for (int64_t i = 0; i < num_items; i++) items[i] = item_at(&p, first, num_reqs, i);
+    if (items == NULL) return OUT_OF_MEMORY;
+    for (int64_t req = 0, planned = 0; req < num_reqs; req++) planned += plan_request(&p, req, items + planned);
     int status = OK;
     int64_t next_run = 0; /* the first item no thread has taken */
 
@@ -499,6 +468,6 @@ int paged_attention_f32(
         free(rows);
         free(w);
     }
-    free(items), free(first);
+    free(items);
     return status;
 }
