@@ -268,7 +268,8 @@ def resolve_attention_backend(name: str, device_type: str, dtype: torch.dtype = 
 
 
 def cpu_backend_unavailable(dtype: torch.dtype) -> str | None:
-    """Why the C kernel cannot serve a model of this dtype here, or None (it is built by now)."""
+    """Why the C kernels cannot serve a model of this dtype here, or None (they are built by now)."""
+    from kvpilot.kernels.cpu import fused_ops
     from kvpilot.kernels.cpu.build import KernelBuildError
     from kvpilot.kernels.cpu.paged_attention import DTYPES, build
 
@@ -276,6 +277,7 @@ def cpu_backend_unavailable(dtype: torch.dtype) -> str | None:
         return f"it supports {', '.join(str(d).removeprefix('torch.') for d in DTYPES)}, the model runs {dtype}"
     try:
         build()
+        fused_ops.build()  # the backend's KV write, and the layers' RMSNorm, RoPE and argmax
     except KernelBuildError as error:
         return str(error)
     return None
