@@ -203,20 +203,22 @@ class CpuPagedAttention:
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, kernel=None) -> None:
+        """kernel: a `bind()`-ed attention entry point to run instead of this source's (a
+        benchmark's baseline revision, timed through the same path)."""
         # Imported here: only an engine that runs this backend compiles the kernels.
         from kvpilot.kernels.cpu import fused_ops
         from kvpilot.kernels.cpu.paged_attention import build, paged_attention
 
         build()
         fused_ops.build()
-        self._attend, self._write = paged_attention, fused_ops.kv_cache_write
+        self._attend, self._write, self._kernel = paged_attention, fused_ops.kv_cache_write, kernel
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         key_cache, value_cache = kv_cache.unbind(0)
         self._write(k, v, key_cache, value_cache, metadata.slot_mapping)
         return self._attend(q, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
-                            metadata.seq_lens, scale)
+                            metadata.seq_lens, scale, kernel=self._kernel)
 
 
 class TritonPagedAttention:
