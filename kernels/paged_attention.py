@@ -39,7 +39,7 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     hi = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first_tile = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
         if first_tile <= tile:
             lo = mid + 1
         else:
@@ -66,12 +66,14 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     req = _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    # Token counts fit int32 whatever the metadata's dtype; the engine's int64 metadata carried
+    # through this arithmetic spilled registers at split-K decode on sm_90.
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + req + 1).to(tl.int32) - q_start
     local_tile = tile - (q_start // BLOCK_Q + req)
     if local_tile * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     context_len = seq_len - q_len
 
     # Row m of the tile is query (m // QUERIES_PER_KV_PAD), head (m % QUERIES_PER_KV_PAD) of the group.

@@ -67,11 +67,11 @@ def meta(*shape, dtype=torch.bfloat16):
 
 
 def attention(num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_query_len, num_splits,
-              dtype):
+              dtype, index_dtype=torch.int32):
     cache = meta(2, 64, block_size, num_kv_heads, head_dim, dtype=dtype)
     paged_attention(meta(num_tokens, num_heads, head_dim, dtype=dtype), cache[0], cache[1],
-                    meta(num_reqs, 8, dtype=torch.int32), meta(num_reqs + 1, dtype=torch.int32),
-                    meta(num_reqs, dtype=torch.int32), head_dim**-0.5, max_query_len, 4096, num_splits=num_splits)
+                    meta(num_reqs, 8, dtype=index_dtype), meta(num_reqs + 1, dtype=index_dtype),
+                    meta(num_reqs, dtype=index_dtype), head_dim**-0.5, max_query_len, 4096, num_splits=num_splits)
 
 
 def main() -> int:
@@ -80,6 +80,9 @@ def main() -> int:
     # Decode at GQA 4, head_dim 128, block 16: one pass, and split-K (which adds the merge).
     attention(64, 64, 32, 8, 128, 16, 1, 1, torch.bfloat16)
     attention(4, 4, 32, 8, 128, 16, 1, 4, torch.bfloat16)
+    # The same two with the int64 metadata the engine's step buffers hold.
+    attention(64, 64, 32, 8, 128, 16, 1, 1, torch.bfloat16, torch.int64)
+    attention(4, 4, 32, 8, 128, 16, 1, 4, torch.bfloat16, torch.int64)
     # A mixed batch with prefill chunks, head_dim 64; the tiny test model's fp32 shapes; Qwen2's odd group.
     attention(600, 8, 16, 16, 64, 16, 512, 1, torch.float16)
     attention(40, 4, 4, 2, 16, 4, 20, 1, torch.float32)
