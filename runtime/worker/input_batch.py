@@ -23,8 +23,12 @@ from kvpilot.runtime.core.sched.output import NewRequestData
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 device: torch.device) -> None:
+        """`device`: the model's, where the seeded requests' generators must live to draw the
+        sampler's noise (torch refuses a CPU generator for a CUDA tensor)."""
         self.max_num_reqs = max_num_reqs
+        self.device = device
         self.req_ids: list[str | None] = []
         self.row_of: dict[str, int] = {}
         # Free rows below the end of `req_ids`, as a min-heap.
@@ -73,7 +77,7 @@ class InputBatch:
         self.min_p[row] = params.min_p
         # A request resumed after preemption keeps its generator: its random stream goes on.
         if params.seed is not None and new.req_id not in self.generators:
-            self.generators[new.req_id] = torch.Generator().manual_seed(params.seed)
+            self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.logprobs is not None:
             self.num_logprobs[new.req_id] = params.logprobs
         if params.prompt_logprobs is not None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from kvpilot.runtime.core.sched.output import NewRequestData
 from kvpilot.runtime.request import SamplingParams
+from kvpilot.runtime.worker import input_batch
 from kvpilot.runtime.worker.input_batch import InputBatch
 from kvpilot.runtime.worker.step_inputs import StepInputs
 
@@ -18,7 +20,7 @@ def _new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0, *
 
 
 def _batch() -> InputBatch:
-    return InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8)
+    return InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cpu"))
 
 
 def test_rows_survive_and_condense_fills_holes_from_the_tail():
@@ -47,6 +49,24 @@ def test_a_new_request_takes_a_hole_before_growing_the_batch():
     assert set(batch.generators) == {"d"} and batch.num_logprobs == {"d": 3}
     batch.remove_request("d")
     assert not batch.generators and not batch.num_logprobs
+
+
+def test_a_seeded_request_gets_its_generator_on_the_engine_device(monkeypatch):
+    """The sampler draws a seeded row's noise into the logits' tensor, and torch refuses a CPU
+    generator for a CUDA tensor: a seeded request on a GPU engine failed its first sampled step."""
+    made_on = []
+
+    class RecordingGenerator:  # a CUDA generator cannot be made on a machine without one
+        def __init__(self, device="cpu"):
+            made_on.append(torch.device(device))
+
+        def manual_seed(self, seed):
+            return self
+
+    monkeypatch.setattr(input_batch.torch, "Generator", RecordingGenerator)
+    batch = InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cuda", 1))
+    batch.add_request(_new("s", [1, 2], [1], seed=7))
+    assert made_on == [torch.device("cuda", 1)]
 
 
 def test_step_inputs_flatten_positions_slots_and_block_tables():
