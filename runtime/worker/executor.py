@@ -194,7 +194,6 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
         # The ranks share the machine's cores; more threads each would only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     encoder = msgspec.msgpack.Encoder()
-    decoders = {name: msgspec.msgpack.Decoder(kind) if kind else None for name, kind in _ARGUMENT_TYPES.items()}
     try:
         torch.distributed.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=world_size,
@@ -204,6 +203,16 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
         pipe.send_bytes(encoder.encode(WorkerReply(error=f"{type(exc).__name__}: {exc}")))
         raise
     pipe.send_bytes(encoder.encode(WorkerReply()))
+    try:
+        _serve(runner, rank, pipe, encoder)
+    finally:
+        # Not left to the interpreter's exit, where NCCL warns that work may still be pending.
+        torch.distributed.destroy_process_group()
+
+
+def _serve(runner: ModelRunner, rank: int, pipe: Connection, encoder: msgspec.msgpack.Encoder) -> None:
+    """The executor's calls, one at a time, until it closes the pipe."""
+    decoders = {name: msgspec.msgpack.Decoder(kind) if kind else None for name, kind in _ARGUMENT_TYPES.items()}
     while True:
         try:
             method = pipe.recv_bytes().decode()

@@ -1,0 +1,38 @@
+"""A TP worker's life in this process: gloo, one rank, a stand-in for the model runner."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from types import SimpleNamespace
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from kvpilot.runtime.worker import executor
+
+
+def test_a_worker_destroys_its_process_group_when_the_executor_hangs_up(tmp_path, monkeypatch):
+    """A group left to the interpreter's exit makes NCCL warn that work may still be pending (and
+    a rank exiting so can block its peers): the worker tears the group down itself on EOF."""
+    monkeypatch.setattr(executor, "ModelRunner", lambda config, device: SimpleNamespace())
+    monkeypatch.setattr(executor, "kill_with_parent", lambda: None)
+    # On a thread, as here, a worker cannot set signal handlers.
+    monkeypatch.setattr(executor.signal, "signal", lambda *args: None)
+    config = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=1))
+    threads = torch.get_num_threads()  # the worker sets its share of the cores
+    ours, theirs = multiprocessing.Pipe()
+    worker = threading.Thread(target=executor.run_worker, args=(config, 0, "cpu", f"file://{tmp_path}/init", theirs))
+    worker.start()
+    try:
+        ready = msgspec.msgpack.decode(ours.recv_bytes(), type=executor.WorkerReply)
+        assert ready.error is None and dist.is_initialized()
+        ours.close()
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
