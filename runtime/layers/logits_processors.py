@@ -44,7 +44,7 @@ class LogitsAdjustments:
             logits = logits.index_put((rows,), logits[rows].masked_fill(mask, float("-inf")))
         if self.banned is not None:
             rows, tokens = self.banned
-            logits = logits.index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put((rows, tokens), torch.full((), float("-inf"), device=logits.device))
         if self.logit_bias is not None:
             rows, tokens, biases = self.logit_bias
             logits = logits.index_put((rows, tokens), biases, accumulate=True)

@@ -17,6 +17,7 @@ import torch
 
 from kvpilot.runtime.core.sched.output import NewRequestData
 from kvpilot.runtime.layers.logits_processors import LogitsAdjustments, Penalties, banned_bad_word_tokens
+from kvpilot.runtime.worker.device_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class LogitsState:
             self.logit_bias[req_id] = params.logit_bias
         if params.allowed_token_ids is not None:
             mask = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
-            mask[torch.tensor(params.allowed_token_ids, device=self.device)] = False
+            mask[to_device(params.allowed_token_ids, self.device)] = False
             self.disallowed[req_id] = mask
         if params.bad_words_token_ids:
             self.bad_words[req_id] = params.bad_words_token_ids
@@ -91,8 +92,8 @@ class LogitsState:
         rows = [i for i, r in enumerate(req_ids) if r in self.penalised]
         if not rows:
             return
-        slots = torch.tensor([self.penalised[req_ids[i]][0] for i in rows], device=self.device)
-        tokens = sampled[torch.tensor(rows, device=sampled.device)].to(self.device)
+        slots = to_device([self.penalised[req_ids[i]][0] for i in rows], self.device)
+        tokens = sampled[to_device(rows, sampled.device)]
         self.output_counts.index_put_((slots, tokens), torch.ones_like(slots, dtype=torch.int32), accumulate=True)
 
     # -- one step -----------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ class LogitsState:
         rows = [i for i, r in enumerate(req_ids) if r in self.disallowed]
         if not rows:
             return None
-        return (torch.tensor(rows, device=self.device),
+        return (to_device(rows, self.device),
                 torch.stack([self.disallowed[req_ids[i]] for i in rows]))
 
     def _banned(self, req_ids: list[str], output_tokens) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -125,7 +126,7 @@ class LogitsState:
         if not pairs:
             return None
         rows, tokens = zip(*pairs)
-        return torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device)
+        return to_device(rows, self.device), to_device(tokens, self.device)
 
     def _logit_bias(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         if not self.logit_bias:
@@ -134,8 +135,8 @@ class LogitsState:
         if not entries:
             return None
         rows, tokens, biases = zip(*entries)
-        return (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device),
-                torch.tensor(biases, dtype=torch.float32, device=self.device))
+        return (to_device(rows, self.device), to_device(tokens, self.device),
+                to_device(biases, self.device, torch.float32))
 
     def _penalties(self, req_ids: list[str]) -> Penalties | None:
         if not self.penalised:
@@ -143,12 +144,12 @@ class LogitsState:
         rows = [i for i, r in enumerate(req_ids) if r in self.penalised]
         if not rows:
             return None
-        slots = torch.tensor([self.penalised[req_ids[i]][0] for i in rows], device=self.device)
+        slots = to_device([self.penalised[req_ids[i]][0] for i in rows], self.device)
         presence, frequency, repetition = (
-            torch.tensor(values, dtype=torch.float32, device=self.device)
+            to_device(values, self.device, torch.float32)
             for values in zip(*(self.penalised[req_ids[i]][1] for i in rows))
         )
-        return Penalties(rows=torch.tensor(rows, device=self.device), prompt_mask=self.prompt_mask[slots],
+        return Penalties(rows=to_device(rows, self.device), prompt_mask=self.prompt_mask[slots],
                          output_counts=self.output_counts[slots], presence=presence, frequency=frequency,
                          repetition=repetition)
 
@@ -159,7 +160,7 @@ class LogitsState:
         slot = self._take_slot()
         self.penalised[new.req_id] = (slot, (params.presence_penalty, params.frequency_penalty,
                                              params.repetition_penalty))
-        tokens = torch.from_numpy(np.asarray(new.token_ids, dtype=np.int64)).to(self.device)
+        tokens = to_device(np.asarray(new.token_ids, dtype=np.int64), self.device)
         prompt, output = tokens[: new.num_prompt_tokens], tokens[new.num_prompt_tokens:]
         self.prompt_mask[slot] = False
         self.prompt_mask[slot, prompt] = True

@@ -13,6 +13,7 @@ from kvpilot.runtime.models.loader import load_model
 from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
 from kvpilot.runtime.worker.cuda_graphs import DecodeGraphs, can_capture
+from kvpilot.runtime.worker.device_copy import to_device
 from kvpilot.runtime.worker.input_batch import InputBatch
 from kvpilot.runtime.worker.logits_state import LogitsState
 from kvpilot.runtime.worker.step_inputs import StepBuffers, StepInputs, decode_sizes
@@ -114,7 +115,7 @@ class ModelRunner:
         every_row = len(sample_idx) == step.num_tokens
         if not every_row:
             # Only the rows that sample reach the LM head (a pure decode step samples every row).
-            hidden = hidden[_tensor(step.query_start_loc[1:][sample_idx] - 1, self.device)]
+            hidden = hidden[to_device(step.query_start_loc[1:][sample_idx] - 1, self.device)]
         logits = self.model.compute_logits(hidden)
         sample_ids = step.req_ids if every_row else [step.req_ids[i] for i in sample_idx]
         sample_rows = step.rows[sample_idx]
@@ -182,10 +183,10 @@ class ModelRunner:
             if self.batch.num_logprobs else []
         generators = self.batch.generators
         return dict(
-            temperature=_tensor(temperature, self.device),
-            top_k=_tensor(top_k, self.device) if (top_k > 0).any() else None,
-            top_p=_tensor(top_p, self.device) if (top_p < 1).any() else None,
-            min_p=_tensor(min_p, self.device) if (min_p > 0).any() else None,
+            temperature=to_device(temperature, self.device),
+            top_k=to_device(top_k, self.device) if (top_k > 0).any() else None,
+            top_p=to_device(top_p, self.device) if (top_p < 1).any() else None,
+            min_p=to_device(min_p, self.device) if (min_p > 0).any() else None,
             generators={i: generators[r] for i, r in enumerate(req_ids) if r in generators} if generators else {},
             max_num_logprobs=max(asked) if asked else None,
             all_greedy=bool(greedy.all()),
@@ -200,7 +201,7 @@ class ModelRunner:
         sample_row = {req_id: i for i, req_id in enumerate(req_ids)}
         masks = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
         rows = [sample_row[req_id] for req_id in grammar.req_ids]
-        return torch.tensor(rows, device=self.device), masks.to(self.device)
+        return to_device(rows, self.device), to_device(masks, self.device)
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Logprobs of each prompt token given the ones before it, for this step's chunk of the prompt."""
@@ -218,21 +219,13 @@ class ModelRunner:
                 continue
             first = step.query_start_loc[i]
             logits = self.model.compute_logits(hidden[first : first + end - start]).float()
-            targets = _tensor(self.batch.token_ids[row, start + 1 : end + 1], self.device)
+            targets = to_device(self.batch.token_ids[row, start + 1 : end + 1], self.device)
             gathered = gather_logprobs(torch.log_softmax(logits, dim=-1), num, targets)
             chunks[req_id] = PromptLogprobsChunk(
                 start=int(start) + 1,
                 entries=[_row_logprobs(gathered, j, num) for j in range(end - start)],
             )
         return chunks
-
-
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The array on the device without waiting for the work queued there: a copy from pageable
-    memory first waits for the stream (the whole forward pass, mid-step); one from pinned memory
-    is queued behind it, and the host allocator keeps the pinned block until it is done."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
 def _row_logprobs(tensors, row: int, num: int) -> TokenLogprobs:

@@ -67,10 +67,8 @@ def _blocking_device_copy(tensor, *args, **kwargs) -> bool:
     return device is not None and tensor.device.type == "cpu" and not kwargs.get("non_blocking", False)
 
 
-def test_a_step_waits_for_its_sampled_tokens_only(tiny_llama_dir, monkeypatch):
-    # Chunked prefill: steps with a partial chunk (nothing sampled), mixed steps, pure decodes.
-    llm = LLM(str(tiny_llama_dir), attention_backend="triton", block_size=4, max_num_seqs=4,
-              max_num_batched_tokens=8)
+def _record_steps(llm: LLM, monkeypatch, prompts, params) -> list:
+    """(SchedulerOutput, sync sites) of every step that generating `prompts` takes."""
     recorder = _SyncRecorder(monkeypatch)
     steps = []
     execute_model = ModelRunner.execute_model
@@ -84,10 +82,31 @@ def test_a_step_waits_for_its_sampled_tokens_only(tiny_llama_dir, monkeypatch):
             recorder.sites = None
 
     monkeypatch.setattr(ModelRunner, "execute_model", recorded)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    llm.generate([list(range(1, 13)), [6, 7, 8]], params)
+    llm.generate(prompts, params)
+    return steps
 
-    sampled = [("model_runner.py", "_sample", "tolist")]
-    assert [sites for _, sites in steps if sites not in ([], sampled)] == []
+
+SAMPLED = [("model_runner.py", "_sample", "tolist")]
+
+
+def test_a_step_waits_for_its_sampled_tokens_only(tiny_llama_dir, monkeypatch):
+    # Chunked prefill: steps with a partial chunk (nothing sampled), mixed steps, pure decodes.
+    llm = LLM(str(tiny_llama_dir), attention_backend="triton", block_size=4, max_num_seqs=4,
+              max_num_batched_tokens=8)
+    steps = _record_steps(llm, monkeypatch, [list(range(1, 13)), [6, 7, 8]],
+                          SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [sites for _, sites in steps if sites not in ([], SAMPLED)] == []
     kinds = {(len(set(output.num_scheduled_tokens.values())) > 1, bool(sites)) for output, sites in steps}
     assert kinds >= {(True, True), (False, True), (False, False)}  # mixed, decode and a partial chunk
+
+
+def test_the_logits_adjustments_and_sampling_filters_do_not_wait(tiny_llama_dir, monkeypatch):
+    llm = LLM(str(tiny_llama_dir), attention_backend="triton", block_size=4, max_num_seqs=4)
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.8, seed=3, top_k=5, top_p=0.9, min_p=0.01),
+        SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2, logit_bias={5: 1.0}, min_tokens=2, bad_words_token_ids=[[9]]),
+        SamplingParams(max_tokens=4, allowed_token_ids=[3, 4, 5, 6]),
+    ]
+    steps = _record_steps(llm, monkeypatch, [[1, 2, 3], [6, 7, 8, 9], [4, 5]], params)
+    assert len(steps) >= 4 and all(sites == SAMPLED for _, sites in steps), [sites for _, sites in steps]
