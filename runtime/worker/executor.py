@@ -198,6 +198,9 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
         torch.distributed.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=world_size,
         )
+        # NCCL connects its transports at the first collective: make it now, so that a broken one
+        # fails the engine's start rather than its first request.
+        torch.distributed.all_reduce(torch.zeros(1, device=device))
         runner = ModelRunner(config, device)
     except BaseException as exc:  # noqa: BLE001 - reported to the executor, which fails the engine
         pipe.send_bytes(encoder.encode(WorkerReply(error=f"{type(exc).__name__}: {exc}")))
