@@ -3,8 +3,10 @@ without a GPU: Triton's own compiler and its bundled ptxas need no device.
 
 Run in a process without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted).
 Each wrapper is called on meta tensors; its launches are recorded instead of run, then compiled
-with the argument types and compile-time constants the launch would have used. This proves the
-CUDA path builds; it does not run it.
+as Triton's launcher would compile them: its own binder gives the argument types, the
+specialisations (16-byte aligned pointers, strides divisible by 16, an int of 1 made a constant)
+and the launch options (warps, stages). A compile without the specialisations is another
+kernel, with other registers and spills. This proves the CUDA path builds; it does not run it.
 
     .venv/bin/python tests/kernels/compile_for_cuda.py [ARCH]    # ARCH: 90 (H100/H200, default), 80 (A100)
 """
@@ -19,36 +21,27 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from kvpilot.kernels.paged_attention import paged_attention
 from kvpilot.kernels.reshape_and_cache import reshape_and_cache
 from kvpilot.kernels.rms_norm import rms_norm
 from kvpilot.kernels.rotary import rotary_embedding
 
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-          torch.int32: "i32", torch.int64: "i64"}
 launches: list[tuple[JITFunction, tuple, dict]] = []
 
 
 def _record(self, grid):
-    return lambda *args, **constants: launches.append((self, args, constants))
+    return lambda *args, **kwargs: launches.append((self, args, kwargs))
 
 
-def _type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPES[value.dtype]
-    if isinstance(value, float):
-        return "fp32"
-    return "i32" if -2**31 <= value < 2**31 else "i64"
-
-
-def compile_launch(fn: JITFunction, args: tuple, constants: dict, target: GPUTarget):
-    signature = {name: _type(value) for name, value in zip(fn.arg_names, args)}
-    signature.update({name: "constexpr" for name in constants})
-    constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, target: GPUTarget):
+    backend = make_backend(target)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=target,
+                          options=options.__dict__)
 
 
 def register_report(kernel, arch: int) -> str:
@@ -83,6 +76,8 @@ def main() -> int:
     # The same two with the int64 metadata the engine's step buffers hold.
     attention(64, 64, 32, 8, 128, 16, 1, 1, torch.bfloat16, torch.int64)
     attention(4, 4, 32, 8, 128, 16, 1, 4, torch.bfloat16, torch.int64)
+    # Prefill chunks of a Llama-3-8B-shaped layer (GQA 4, head_dim 128), as the engine launches them.
+    attention(600, 8, 32, 8, 128, 16, 512, 1, torch.bfloat16, torch.int64)
     # A mixed batch with prefill chunks, head_dim 64; the tiny test model's fp32 shapes; Qwen2's odd group.
     attention(600, 8, 16, 16, 64, 16, 512, 1, torch.float16)
     attention(40, 4, 4, 2, 16, 4, 20, 1, torch.float32)
@@ -95,10 +90,11 @@ def main() -> int:
     rotary_embedding(meta(256, dtype=torch.int64), qkv[:, :4096].view(256, 32, 128),
                      qkv[:, 4096:5120].view(256, 8, 128), meta(4096, 128, dtype=torch.float32)[:, :64],
                      meta(4096, 128, dtype=torch.float32)[:, :64])
-    for fn, args, constants in launches:
-        kernel = compile_launch(fn, args, constants, target)
+    for fn, args, kwargs in launches:
+        kernel = compile_launch(fn, args, kwargs, target)
         assert kernel.asm["cubin"], fn.__name__
-        shape = ", ".join(f"{name}={value}" for name, value in constants.items() if name.startswith(("BLOCK", "HEAD_DIM", "QUER")))
+        shape = ", ".join(f"{name}={value}" for name, value in kwargs.items()
+                          if name.startswith(("BLOCK", "HEAD_DIM", "QUER", "NUM_SPLITS", "num_")))
         print(f"sm_{target.arch} {fn.__name__} [{shape}]: {kernel.metadata.shared} B shared; "
               f"{register_report(kernel, target.arch)}")
     print(f"{len(launches)} launches compiled")
