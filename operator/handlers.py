@@ -92,7 +92,27 @@ async def deployment_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     try:
-        await memo.reconciler.deployment_changed(body, deleted=type == "DELETED")
+        if type == "DELETED":
+            await memo.reconciler.child_deleted(body)
+        else:
+            await memo.reconciler.deployment_changed(body)
     except kube.ApiError as error:
         # The next event of this Deployment, or of its engine, brings the status up to date.
         logger.warning(f"Could not follow the Deployment: {error}")
+
+
+# The other children that pods need to start or to be reached, recreated when deleted. Secrets
+# are left out: a watch streams every Secret of the namespaces into the operator, and the
+# operator's rights would grow from get to list; a deleted Secret comes back at the engine's next
+# reconcile (the policy tuner starts one when the admin token is gone).
+@kopf.on.event("", "v1", "services", labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event("", "v1", "configmaps", labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_OWN_CHILDREN, registry=registry)
+async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    if type != "DELETED":
+        return
+    try:
+        await memo.reconciler.child_deleted(body)
+    except kube.ApiError as error:
+        # The engine's next event, or the operator's restart (a resume), applies it again.
+        logger.warning(f"Could not recreate the deleted {body.get('kind', 'object')}: {error}")

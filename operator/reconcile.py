@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import collections
 import datetime
 import secrets
@@ -49,16 +50,21 @@ class Reconciler:
         """Mark the engine Failed for its current generation; a spec change clears it."""
         await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], failure=message)
 
-    async def deployment_changed(self, deployment: Mapping[str, Any], *, deleted: bool) -> None:
-        """Follow a child Deployment: refresh the owner's status, or recreate a deleted Deployment."""
+    async def deployment_changed(self, deployment: Mapping[str, Any]) -> None:
+        """Follow a child Deployment's rollout into its owner's status."""
         owner = naming.owner_name(deployment)
-        if owner is None:
-            return
-        namespace = deployment["metadata"]["namespace"]
-        if not deleted:
-            await self.refresh_status(namespace, owner)
-            return
-        engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, owner))
+        if owner is not None:
+            await self.refresh_status(deployment["metadata"]["namespace"], owner)
+
+    async def child_deleted(self, child: Mapping[str, Any]) -> None:
+        """Apply the children again after one was deleted, unless its owner is going away too."""
+        owner = naming.owner_name(child)
+        if owner is not None:
+            await self.reconcile_current(child["metadata"]["namespace"], owner)
+
+    async def reconcile_current(self, namespace: str, name: str) -> None:
+        """Reconcile the engine as it is now (not as an older event saw it), unless it is going away."""
+        engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
         if engine is not None and not engine["metadata"].get("deletionTimestamp"):
             await self.reconcile(engine)
 
@@ -108,11 +114,18 @@ class Reconciler:
 
     async def admin_token(self, engine: Mapping[str, Any]) -> str:
         """The engine's admin token, base64 as in its Secret: the one stored, or a new random one
-        where none is (the pods re-read the token file, so even a lost race is no outage)."""
-        stored = await self.stored_admin_token(engine)
-        return stored or base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+        where none is, or where what is stored is not a token (the pods re-read the token file,
+        so even a lost race is no outage)."""
+        stored = await self._stored_admin_token(engine)
+        if stored is not None and decoded_token(stored) is not None:
+            return stored
+        return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
 
-    async def stored_admin_token(self, engine: Mapping[str, Any]) -> str | None:
+    async def admin_token_in_use(self, engine: Mapping[str, Any]) -> str | None:
+        """The token the engine's pods accept, decoded; None where its Secret is missing or holds none."""
+        return decoded_token(await self._stored_admin_token(engine))
+
+    async def _stored_admin_token(self, engine: Mapping[str, Any]) -> str | None:
         meta = engine["metadata"]
         secret = await self.client.get(
             kube.path("v1", "Secret", meta["namespace"], naming.admin_token_secret_name(meta["name"])))
@@ -126,6 +139,16 @@ class Reconciler:
             kopf.info(_about(engine), reason="Created", message=f"Created {what}")
         elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
             kopf.info(_about(engine), reason="Updated", message=f"Updated {what}")
+
+
+def decoded_token(encoded: str | None) -> str | None:
+    """A token from a Secret's data (base64), or None where there is none."""
+    if encoded is None:
+        return None
+    try:
+        return base64.b64decode(encoded, validate=True).decode().strip() or None
+    except (binascii.Error, UnicodeDecodeError):
+        return None
 
 
 def _about(engine: Mapping[str, Any]) -> kopf.Body:

@@ -10,8 +10,6 @@ what the last one could not reach. Engines with a pinned policy are not this con
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -82,10 +80,12 @@ class PolicyTuning:
         if not targets:
             return
         name = f"{engine['metadata']['namespace']}/{engine['metadata']['name']}"
-        token = await self._admin_token(engine)
+        token = await self._reconciler.admin_token_in_use(engine)
         if token is None:
             logger.warning(f"InferenceEngine {name}: its admin token Secret is missing or not a token;"
-                           " the next reconcile makes one")
+                           " reconciling to make one, the pods are switched next interval")
+            # A fresh read: this interval may have just recorded a new effective policy.
+            await self._reconciler.reconcile_current(engine["metadata"]["namespace"], engine["metadata"]["name"])
             return
         for result in await engine_admin.apply_policy(targets, policy, token, timeout=timeout):
             if result.outcome == engine_admin.FAILED:
@@ -93,15 +93,6 @@ class PolicyTuning:
                                f" (tried again next interval): {result.detail}")
             elif result.outcome == engine_admin.SWITCHED:
                 logger.info(f"InferenceEngine {name}: pod {result.pod} switched {result.detail}")
-
-    async def _admin_token(self, engine: Mapping[str, Any]) -> str | None:
-        stored = await self._reconciler.stored_admin_token(engine)
-        if stored is None:
-            return None
-        try:
-            return base64.b64decode(stored, validate=True).decode().strip() or None
-        except (binascii.Error, UnicodeDecodeError):
-            return None
 
 
 def _unusable(interval: Interval) -> str:

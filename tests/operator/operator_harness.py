@@ -176,6 +176,10 @@ class Cluster:
     async def delete(self, url: str) -> None:
         await self._send("DELETE", url)
 
+    async def patch(self, url: str, change: dict[str, Any]) -> None:
+        """`kubectl patch --type=merge`: someone editing an object by hand."""
+        await self._send("PATCH", url, change, "application/merge-patch+json")
+
     async def roll_out(self, name: str, *, updated: int | None = None, available: int | None = None) -> None:
         """Report the Deployment's rollout as its controller would: it has observed the current
         generation, `updated` pods run the current template, `available` of them serve."""

@@ -275,6 +275,23 @@ def test_a_deleted_deployment_is_recreated(tmp_path: Path) -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("kind", ["Service", "ConfigMap", "SchedulingConfig", "PodDisruptionBudget"])
+def test_a_deleted_child_is_recreated(tmp_path: Path, kind: str) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await created(k)
+            first = await eventually(lambda: child(k, kind), kind)
+            await k.delete(kube.path_of(first))
+            again = await eventually(
+                lambda: (c := child(k, kind)) and c["metadata"]["uid"] != first["metadata"]["uid"] and c,
+                f"a new {kind}",
+            )
+            assert {key: value for key, value in again.items() if key != "metadata"} == \
+                {key: value for key, value in first.items() if key != "metadata"}
+
+    run(scenario())
+
+
 def test_other_engines_and_foreign_deployments_are_left_alone(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():

@@ -5,6 +5,8 @@ broken pods, a wrong token."""
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,25 @@ def effective(k: harness.Cluster) -> str | None:
     return k.engine("qwen").get("status", {}).get("effectiveSchedulingPolicy")
 
 
+@contextlib.asynccontextmanager
+async def control_loops(k: harness.Cluster, fake: Any, pod_url: Any, spec: dict[str, Any] = SPEC
+                        ) -> AsyncIterator[control.ControlLoops]:
+    """The control loops without kopf, for a test that ticks them itself, over the engine `qwen`
+    (created with `spec` and reconciled once) and its one ready pod qwen-a."""
+    with harness.posted_events():
+        reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
+        loops = control.ControlLoops(reconciler, pod_metrics_url=fake.pod_url, pod_url=pod_url)
+        await k.create_secret("prod-key", {"api-key": harness.key("sk-prod")})
+        await k.create_engine("qwen", spec)
+        await reconciler.reconcile(k.engine("qwen"))
+        await k.create_pod("qwen-a", "qwen", ready=True)
+        try:
+            yield loops
+        finally:
+            await loops.close()
+            await reconciler.client.close()
+
+
 @pytest.mark.parametrize("autoscaling", [{}, {"enabled": False}], ids=["at-max-replicas", "autoscaling-off"])
 def test_the_loop_switches_every_ready_pod_under_pressure_and_back_when_calm(
     tmp_path: Path, autoscaling: dict[str, Any]
@@ -138,31 +159,20 @@ def test_a_tuner_turned_off_and_on_again_starts_afresh(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with harness.cluster(tmp_path) as k, fake_metrics() as fake, serving(**{"qwen-a": FakePod(token=None)}) \
                 as urls:
-            with harness.posted_events():
-                reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
-                loops = control.ControlLoops(reconciler, pod_metrics_url=fake.pod_url,
-                                             pod_url=lambda _: urls["qwen-a"])
-                await k.create_secret("prod-key", {"api-key": harness.key("sk-prod")})
-                await k.create_engine("qwen", SPEC)
-                await reconciler.reconcile(k.engine("qwen"))
-                await k.create_pod("qwen-a", "qwen", ready=True)
+            async with control_loops(k, fake, lambda _: urls["qwen-a"]) as loops:
                 fake.set(["qwen-a"], waiting=10)
 
                 def pin(policy: str):
                     return k.update_engine("qwen", lambda spec: spec["scheduling"].update(policy=policy))
 
-                try:
-                    await loops.tick(harness.NAMESPACE, "qwen")  # pressure: 1st interval
-                    await pin("fcfs")
-                    await loops.tick(harness.NAMESPACE, "qwen")  # the autoscaler's interval only
-                    await pin("auto")
-                    await loops.tick(harness.NAMESPACE, "qwen")  # pressure: 1st interval again, not the 2nd
-                    assert effective(k) == "fcfs"
-                    await loops.tick(harness.NAMESPACE, "qwen")
-                    assert effective(k) == "priority"
-                finally:
-                    await loops.close()
-                    await reconciler.client.close()
+                await loops.tick(harness.NAMESPACE, "qwen")  # pressure: 1st interval
+                await pin("fcfs")
+                await loops.tick(harness.NAMESPACE, "qwen")  # the autoscaler's interval only
+                await pin("auto")
+                await loops.tick(harness.NAMESPACE, "qwen")  # pressure: 1st interval again, not the 2nd
+                assert effective(k) == "fcfs"
+                await loops.tick(harness.NAMESPACE, "qwen")
+                assert effective(k) == "priority"
 
     harness.run(scenario())
 
@@ -174,20 +184,10 @@ def test_without_autoscaling_an_unusable_reading_is_logged_and_changes_nothing(
 
     async def scenario() -> None:
         async with harness.cluster(tmp_path) as k, fake_metrics() as fake:
-            with harness.posted_events():
-                reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
-                loops = control.ControlLoops(reconciler, pod_metrics_url=fake.pod_url, pod_url=lambda _: None)
-                await k.create_secret("prod-key", {"api-key": harness.key("sk-prod")})
-                await k.create_engine("qwen", spec)
-                await reconciler.reconcile(k.engine("qwen"))
-                await k.create_pod("qwen-a", "qwen", ready=True)
+            async with control_loops(k, fake, lambda _: None, spec) as loops:
                 fake.raw_pages["qwen-a"] = "<html>busy</html>"
-                try:
-                    for _ in range(3):
-                        await loops.tick(harness.NAMESPACE, "qwen")
-                finally:
-                    await loops.close()
-                    await reconciler.client.close()
+                for _ in range(3):
+                    await loops.tick(harness.NAMESPACE, "qwen")
                 assert effective(k) == "fcfs"
 
     with caplog.at_level("WARNING", logger="kvpilot.operator.tuning"):
@@ -196,3 +196,24 @@ def test_without_autoscaling_an_unusable_reading_is_logged_and_changes_nothing(
     assert len(warnings) == 3
     assert warnings[0].startswith("InferenceEngine ml/qwen: no usable queue reading (pod qwen-a: /metrics is not")
     assert warnings[0].endswith("keeping fcfs")
+
+
+@pytest.mark.parametrize("damage", ["deleted", "not-a-token"])
+def test_a_lost_admin_token_is_made_again_and_used(tmp_path: Path, damage: str) -> None:
+    pod = FakePod("priority", token=None)  # out of line: the tuner must call it with the token
+
+    async def scenario() -> None:
+        async with harness.cluster(tmp_path) as k, fake_metrics() as fake, serving(**{"qwen-a": pod}) as urls:
+            async with control_loops(k, fake, lambda _: urls["qwen-a"]) as loops:
+                fake.set(["qwen-a"], waiting=0)
+                url = kube.path_of(harness.child(k, "AdminToken"))
+                if damage == "deleted":
+                    await k.delete(url)
+                else:
+                    await k.patch(url, {"data": {"token": "%%%"}})
+                await loops.tick(harness.NAMESPACE, "qwen")  # finds the token lost: makes one
+                await loops.tick(harness.NAMESPACE, "qwen")  # switches the pod with it
+                token = base64.b64decode(harness.child(k, "AdminToken")["data"]["token"], validate=True).decode()
+                assert token and pod.switches == ["fcfs"] and pod.tokens == {token}
+
+    harness.run(scenario())
