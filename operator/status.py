@@ -22,6 +22,8 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 RECONCILE_FAILED = "ReconcileFailed"
 TENANT_KEY_MISSING = "TenantKeyMissing"
+# The Deployment controller's reason when the API server refuses a pod, reused as is.
+FAILED_CREATE = "FailedCreate"
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class _Verdict:
     phase: str  # Pending, Progressing, Ready, Degraded or Failed
     reason: str
     message: str
+    # Every replica runs the current pod template (all of them may not be available).
+    rolled_out: bool = False
 
 
 def derive(
@@ -64,7 +68,7 @@ def derive(
     conditions = set_condition(
         conditions, READY, verdict.phase == "Ready", verdict.reason, verdict.message, observed, stamp
     )
-    if verdict.phase in ("Ready", "Degraded"):
+    if verdict.rolled_out:
         conditions = set_condition(
             conditions, PROGRESSING, False, "RolloutComplete",
             "every replica runs the current pod template", observed, stamp,
@@ -164,15 +168,24 @@ def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
         return _Verdict("Progressing", "RolloutPending",
                         "the Deployment controller has not observed the new pod template yet")
 
+    wanted = deployment.get("spec", {}).get("replicas", 1)
+    available = rollout.get("availableReplicas", 0)
+    refused = _deployment_condition(deployment, "ReplicaFailure")
+    if refused.get("status") == "True" and available < wanted:
+        # The API server refuses the pods (an unknown priority class, a quota, an admission
+        # policy): no waiting fixes that, so say it now rather than at the progress deadline.
+        why = f"the Deployment cannot create pods: {refused.get('message', refused.get('reason', ''))}"
+        if available:
+            return _Verdict("Degraded", FAILED_CREATE, f"{available}/{wanted} replicas are available; {why}")
+        return _Verdict("Failed", FAILED_CREATE, why)
+
     deployment_progress = _deployment_condition(deployment, "Progressing")
     if deployment_progress.get("reason") == "ProgressDeadlineExceeded":
         return _Verdict("Failed", "ProgressDeadlineExceeded",
                         deployment_progress.get("message", "the rollout stalled"))
 
-    wanted = deployment.get("spec", {}).get("replicas", 1)
     updated = rollout.get("updatedReplicas", 0)
     total = rollout.get("replicas", 0)
-    available = rollout.get("availableReplicas", 0)
     if updated < wanted or total > updated:
         return _Verdict("Progressing", "RollingOut",
                         f"{updated}/{wanted} replicas run the current pod template;"
@@ -183,9 +196,10 @@ def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
         # Once the Deployment has called its rollout complete, missing replicas are lost ones,
         # not new ones still starting.
         if deployment_progress.get("reason") == "NewReplicaSetAvailable":
-            return _Verdict("Degraded", "ReplicasUnavailable", f"{available}/{wanted} replicas are available")
+            return _Verdict("Degraded", "ReplicasUnavailable", f"{available}/{wanted} replicas are available",
+                            rolled_out=True)
         return _Verdict("Progressing", "RollingOut", f"{available}/{wanted} updated replicas are available")
-    return _Verdict("Ready", "Available", f"{available}/{wanted} replicas are available")
+    return _Verdict("Ready", "Available", f"{available}/{wanted} replicas are available", rolled_out=True)
 
 
 def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[str, Any]:

@@ -104,6 +104,37 @@ def test_failed_when_the_rollout_exceeds_its_deadline() -> None:
     assert condition(found, "Ready")["message"] == "progress message"
 
 
+NO_PRIORITY_CLASS = 'pods "llama-7d9f-" is forbidden: no PriorityClass with name gpu-high was found'
+
+
+def pods_not_created(**rollout: Any) -> dict[str, Any]:
+    """The Deployment as its controller reports a ReplicaSet whose pods the API server refuses."""
+    found = deployment(progress_reason="ReplicaSetUpdated", **rollout)
+    found["status"]["conditions"].append({"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                          "message": NO_PRIORITY_CLASS})
+    return found
+
+
+def test_failed_at_once_when_no_pod_can_be_created() -> None:
+    # An unknown priority class (or a quota, or a policy) refuses every pod: say so now, not after
+    # the 30-minute progress deadline.
+    found = status.derive(engine(), pods_not_created(total=0, updated=0, ready=0, available=0), now=T0)
+    assert found["phase"] == "Failed"
+    assert condition(found, "Ready") | {"lastTransitionTime": ""} == {
+        "type": "Ready", "status": "False", "reason": "FailedCreate",
+        "message": f"the Deployment cannot create pods: {NO_PRIORITY_CLASS}",
+        "observedGeneration": 3, "lastTransitionTime": "",
+    }
+    assert condition(found, "Progressing")["reason"] == "FailedCreate"
+
+
+def test_degraded_when_new_pods_cannot_be_created_but_some_serve() -> None:
+    found = status.derive(engine(), pods_not_created(replicas=4, total=2, updated=2, ready=2, available=2), now=T0)
+    assert found["phase"] == "Degraded"
+    assert condition(found, "Ready")["reason"] == "FailedCreate"
+    assert condition(found, "Ready")["message"].startswith("2/4 replicas are available; the Deployment cannot")
+
+
 def test_scaled_to_zero_is_not_ready() -> None:
     found = status.derive(engine(), deployment(replicas=0, total=0, updated=0, ready=0, available=0), now=T0)
     assert found["phase"] == "Pending"
