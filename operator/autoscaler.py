@@ -19,13 +19,15 @@ reading and a replica's capacity) goes in and comes out as a value.
   current one), and at most doubles the count (or adds 4, whichever is more) per decision;
   replicas still starting count as capacity already on its way.
 - ScalingLimited is True while the load asks for more than maxReplicas.
-- Scaling down takes the highest recommendation of the last scaleDownStabilizationSeconds.
+- Scaling down takes the highest recommendation of the last scaleDownStabilizationSeconds, and
+  waits for that window to have passed since the autoscaler's memory began (as the HPA does).
 - The result lies within [minReplicas, maxReplicas].
 - Missing, stale or invalid metrics hold the count and say why in MetricsAvailable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,11 +112,13 @@ class Decision:
 
 @dataclass(frozen=True)
 class Memory:
-    """What one reading leaves for the next: the pods' samples, for their rates since, and what a
-    replica completes per second while it has a backlog (its capacity; None until one was seen)."""
+    """What one reading leaves for the next: the pods' samples, for their rates since, what a
+    replica completes per second while it has a backlog (its capacity; None until one was seen),
+    and when the memory began (None: it begins with this reading)."""
 
     pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
     capacity: float | None = None
+    since: float | None = None
 
 
 def decide(
@@ -131,16 +135,18 @@ def decide(
     exist but are not ready yet (terminating ones count in neither). `memory` is the last
     decision's."""
     memory = memory or Memory()
+    since = now if memory.since is None else memory.since
     problem = _problem(policy, ready, starting, reading, now)
     if problem is not None:
-        return Decision(replicas, "", problem.message, (problem,), None, history, memory)
+        return Decision(replicas, "", problem.message, (problem,), None, history,
+                        dataclasses.replace(memory, since=since))
     used = {pod: reading.samples[pod] for pod in ready}
     rates = {pod: _rates(sample, memory.pods.get(pod)) for pod, sample in used.items()}
     saturated = [rate[0] for pod, rate in rates.items()
                  if rate is not None and used[pod].num_waiting > policy.target_queue_depth]
     capacity = sum(saturated) / len(saturated) if saturated else memory.capacity
     load = _load(policy, used, rates, capacity)
-    memory = Memory(used, capacity)
+    memory = Memory(used, capacity, since)
 
     # In replicas at target: what the ready replicas carry now. Starting replicas are in
     # `replicas` already, so the capacity on its way is never asked for twice.
@@ -153,7 +159,10 @@ def decide(
     down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
     if up > replicas:
         target = min(up, max(replicas * SCALE_UP_FACTOR, replicas + SCALE_UP_STEP))
-    elif down < replicas:
+    elif down < replicas and now - since >= policy.scale_down_stabilization_seconds:
+        # Only once the recommendations on record cover the whole window: those from before the
+        # memory began (a restarted operator, autoscaling just turned on) are unknown, and the
+        # count that runs may rest on them.
         target = down
     else:
         target = replicas

@@ -33,11 +33,12 @@ def replay(policy: autoscaler.Policy, timeline: list[tuple[float, list[tuple[flo
            ) -> list[int]:
     """The replicas after each step of a timeline whose pods are all ready."""
     history: tuple = ()
+    memory = None
     counts = []
     for t, pods in timeline:
         decision = autoscaler.decide(policy, replicas, [f"p{i}" for i in range(len(pods))], 0,
-                                     reading(t, *pods), history, t)
-        replicas, history = decision.replicas, decision.history
+                                     reading(t, *pods), history, t, memory)
+        replicas, history, memory = decision.replicas, decision.history, decision.memory
         counts.append(replicas)
     return counts
 
@@ -50,13 +51,14 @@ def spread(demand: float, replicas: int) -> list[tuple[float, float]]:
 def closed_loop(policy: autoscaler.Policy, demands: list[float], replicas: int) -> list[int]:
     """Each interval's load spread over the replicas the previous decision left (pods ready at once)."""
     history: tuple = ()
+    memory = None
     counts = []
     for step, demand in enumerate(demands):
         t = step * policy.interval_seconds
         pods = spread(demand, replicas)
         decision = autoscaler.decide(policy, replicas, [f"p{i}" for i in range(replicas)], 0,
-                                     reading(t, *pods), history, t)
-        replicas, history = decision.replicas, decision.history
+                                     reading(t, *pods), history, t, memory)
+        replicas, history, memory = decision.replicas, decision.history, decision.memory
         counts.append(replicas)
     return counts
 
@@ -98,8 +100,9 @@ def test_a_backlog_is_drained_within_the_horizon_by_routing_arrivals_elsewhere()
     decision = decide_after(sampled(0, 425, 1000), sampled(15, 605, 1420))
     assert decision.replicas == 3
     assert math.isclose(decision.load.saturation, 40 / (28 - 600 / autoscaler.BACKLOG_DRAIN_SECONDS))
-    # What the next call needs: this reading, and the backlogged pod's 28/s as a replica's capacity.
-    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 605, 1420)}, capacity=28.0)
+    # What the next call needs: this reading, the backlogged pod's 28/s as a replica's capacity,
+    # and when the memory began (at this call: the one it was given did not say).
+    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 605, 1420)}, capacity=28.0, since=15.0)
     # The same backlog, shrinking by 20/s: 8/s arrive, fewer than the 16.4/s it may take: held.
     assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
     # Beyond what a halving of its arrivals drains in time (1000 waiting: 28 - 995/60 = 11.4/s
@@ -180,9 +183,24 @@ def test_tolerance_band(kv: float, expected: int) -> None:
 
 def test_scale_down_outside_the_band_after_the_window() -> None:
     low = [(0.5 * 0.7, 0)] * 4  # saturation 0.7: ceil(2.8) = 3
-    counts = replay(POLICY, [(t, low) for t in range(0, 331, 15)], replicas=4)
-    # Every recommendation in the window was 3 from the start: down at once ...
-    assert counts[0] == 3
+    timeline = [(t, low) for t in range(0, 331, 15)]
+    counts = replay(POLICY, timeline, replicas=4)
+    # Every recommendation since the autoscaler began was 3, but what it recommended before it
+    # began (a restarted operator) is unknown: the 4 hold for one whole window, then down.
+    first_down = next(i for i, c in enumerate(counts) if c < 4)
+    assert timeline[first_down][0] == POLICY.scale_down_stabilization_seconds
+    assert counts[first_down:] == [3] * (len(counts) - first_down)
+
+
+def test_a_restarted_autoscaler_does_not_cut_the_scale_down_window_short() -> None:
+    # The engine was busy until a minute ago (4 recommended at t=240); the operator restarts at
+    # t=300, and its first reading is low. Without the memory lost at the restart, the replicas
+    # would hold until t=540: so they hold until t=600, one window after the restart.
+    idle = [(0.0, 0)] * 4
+    counts = replay(POLICY, [(t, idle) for t in range(300, 631, 15)], replicas=4)
+    assert counts[:20] == [4] * 20 and counts[20:] == [1, 1, 1]
+    # Scaling up needs no memory: it is at once, from the first reading.
+    assert replay(POLICY, [(300, [(1.0, 0)] * 4)], replicas=4) == [8]
 
 
 def test_scale_down_waits_for_the_highest_recommendation_in_the_window() -> None:
