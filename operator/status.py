@@ -22,6 +22,7 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 RECONCILE_FAILED = "ReconcileFailed"
 TENANT_KEY_MISSING = "TenantKeyMissing"
+AUTOSCALER_CONDITIONS = (autoscaler.METRICS_AVAILABLE, autoscaler.SCALING_LIMITED)
 # The Deployment controller's reason when the API server refuses a pod, reused as is.
 FAILED_CREATE = "FailedCreate"
 
@@ -65,6 +66,10 @@ def derive(
 
     stamp = timestamp(now)
     conditions = list(current.get("conditions", []))
+    autoscaled = spec["autoscaling"]["enabled"]
+    if not autoscaled:
+        # Once the autoscaler is off, its conditions would stand still, stale.
+        conditions = [c for c in conditions if c.get("type") not in AUTOSCALER_CONDITIONS]
     conditions = set_condition(
         conditions, READY, verdict.phase == "Ready", verdict.reason, verdict.message, observed, stamp
     )
@@ -97,6 +102,8 @@ def derive(
     }
     if observed is not None:
         status["observedGeneration"] = observed
+    if not autoscaled and "metrics" in current:
+        status["metrics"] = None  # the autoscaler's last reading, which nothing refreshes now
     return status
 
 
@@ -105,7 +112,10 @@ def autoscaling(
 ) -> dict[str, Any]:
     """The status fields the autoscaler owns, after `decision` (spec.replicas is written through
     the scale subresource, not here). The last good reading stays, with its time, while the
-    metrics are unavailable."""
+    metrics are unavailable. Nothing, once autoscaling is off (a decision that was under way
+    when it was turned off)."""
+    if not engine["spec"]["autoscaling"]["enabled"]:
+        return {}
     current = engine.get("status") or {}
     observed = engine["metadata"].get("generation")
     conditions = list(current.get("conditions", []))

@@ -177,7 +177,7 @@ def test_unchanged_inputs_give_an_unchanged_status() -> None:
 
 
 def test_conditions_of_other_writers_are_kept() -> None:
-    obj = engine()
+    obj = autoscaled()
     scaling = {"type": "ScalingLimited", "status": "True", "reason": "AtMax", "message": "m",
                "lastTransitionTime": "2025-12-31T00:00:00Z"}
     obj["status"] = {"conditions": [scaling]}
@@ -205,8 +205,14 @@ def decision(replicas: int, *, available: bool = True, load: bool = True) -> aut
     return autoscaler.Decision(replicas, "", "", conditions, reading, ())
 
 
+def autoscaled(enabled: bool = True) -> dict[str, Any]:
+    spec = engine()["spec"]
+    spec["autoscaling"].update(enabled=enabled, maxReplicas=4)
+    return engine(spec)
+
+
 def test_autoscaler_status_records_the_reading_the_decision_and_its_conditions() -> None:
-    found = status.autoscaling(engine(), decision(4), now=T0, scaled=True)
+    found = status.autoscaling(autoscaled(), decision(4), now=T0, scaled=True)
     assert found["desiredReplicas"] == 4
     assert found["metrics"] == {"kvCacheUsage": 0.1235, "queueDepth": 2.33, "observedAt": "2026-01-01T11:59:57Z"}
     assert found["lastScaleTime"] == "2026-01-01T12:00:00Z"
@@ -218,7 +224,7 @@ def test_autoscaler_status_records_the_reading_the_decision_and_its_conditions()
 
     # Metrics lost later: the condition flips (a new transition time), ScalingLimited and the last
     # reading stay as they were, and no scale time is written.
-    before = {**engine(), "status": found}
+    before = {**autoscaled(), "status": found}
     later = status.autoscaling(before, decision(4, available=False, load=False), now=T1, scaled=False)
     assert "metrics" not in later and "lastScaleTime" not in later
     assert condition(later, "MetricsAvailable")["lastTransitionTime"] == "2026-01-01T12:05:00Z"
@@ -240,3 +246,21 @@ def test_missing_tenant_keys_degrade_the_engine_until_a_pass_finds_them() -> Non
     assert condition(kept, "Degraded") == degraded
     cleared = status.derive(observed, deployment(), now=T0, problems=[])
     assert condition(cleared, "Degraded")["status"] == "False"
+
+
+def test_turning_autoscaling_off_drops_its_conditions_and_reading() -> None:
+    # They would stand still once the autoscaler stops: a ScalingLimited=True, a KV% column, both
+    # from whenever it last ran.
+    scaled = autoscaled()
+    scaled["status"] = status.derive(scaled, deployment(), now=T0)
+    scaled["status"] |= status.autoscaling(scaled, decision(2), now=T0, scaled=False)
+    assert {c["type"] for c in scaled["status"]["conditions"]} >= {"MetricsAvailable", "ScalingLimited"}
+    scaled["spec"] = autoscaled(enabled=False)["spec"]
+    found = status.derive(scaled, deployment(), now=T1)
+    assert {c["type"] for c in found["conditions"]} == {"Ready", "Progressing"}
+    assert found["metrics"] is None  # a merge patch's null: the field goes
+    again = {**scaled, "status": {key: value for key, value in {**scaled["status"], **found}.items()
+                                  if value is not None}}
+    assert "metrics" not in status.derive(again, deployment(), now=T1)
+    # A decision that was under way when autoscaling was turned off records nothing.
+    assert status.autoscaling(again, decision(2), now=T1, scaled=False) == {}
