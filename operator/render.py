@@ -118,67 +118,43 @@ def config_map(engine: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> Man
         " edit the InferenceEngine instead.\n"
         "# priority is the engine's own: lower runs first.\n"
     )
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _metadata(engine, naming.config_map_name(name)),
-        "data": {
+    return _owned(engine, "v1", "ConfigMap", naming.config_map_name(name), data={
             # Mounted as a folder (no subPath), so the kubelet refreshes it in running pods.
             "tenants.yaml": header + yaml.safe_dump(tenants(engine["spec"], tenant_keys), sort_keys=False),
             # What the pods run, for people and tools that read the ConfigMap; the Deployment's pod
             # template carries the same arguments, so changing them rolls the pods.
             "engine-args.yaml": yaml.safe_dump(serve_args(engine), sort_keys=False),
-        },
-    }
+        })
 
 
 def tenant_keys_secret(engine: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> Manifest:
     # One Secret the operator owns, mounted whole: adding or removing a tenant changes its data,
     # never the pod template, so tenant changes reach running pods without a restart.
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _metadata(engine, naming.tenant_keys_secret_name(engine["metadata"]["name"])),
-        "type": "Opaque",
-        "data": dict(sorted(tenant_keys.items())),
-    }
+    return _owned(engine, "v1", "Secret", naming.tenant_keys_secret_name(engine["metadata"]["name"]),
+                  type="Opaque", data=dict(sorted(tenant_keys.items())))
 
 
 def admin_token_secret(engine: Mapping[str, Any], token: str) -> Manifest:
     # Guards the pods' /admin/scheduling, which the policy tuner calls.
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _metadata(engine, naming.admin_token_secret_name(engine["metadata"]["name"])),
-        "type": "Opaque",
-        "data": {ADMIN_TOKEN_KEY: token},
-    }
+    return _owned(engine, "v1", "Secret", naming.admin_token_secret_name(engine["metadata"]["name"]),
+                  type="Opaque", data={ADMIN_TOKEN_KEY: token})
 
 
 def scheduling_config_map(engine: Mapping[str, Any], policy: str) -> Manifest:
     """The policy a starting pod reads (--scheduling-policy-file). Its own object, apart from the
     engine's config, because the policy tuner rewrites it live."""
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _metadata(engine, naming.scheduling_config_map_name(engine["metadata"]["name"])),
-        "data": {SCHEDULING_POLICY_KEY: policy},
-    }
+    return _owned(engine, "v1", "ConfigMap", naming.scheduling_config_map_name(engine["metadata"]["name"]),
+                  data={SCHEDULING_POLICY_KEY: policy})
 
 
 def service(engine: Mapping[str, Any]) -> Manifest:
     name = engine["metadata"]["name"]
     settings = engine["spec"]["service"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(engine, name),
-        "spec": {
-            "type": settings["type"],
-            "selector": naming.selector_labels(name),
-            "ports": [{"name": "http", "port": settings["port"], "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return _owned(engine, "v1", "Service", name, spec={
+        "type": settings["type"],
+        "selector": naming.selector_labels(name),
+        "ports": [{"name": "http", "port": settings["port"], "targetPort": "http", "protocol": "TCP"}],
+    })
 
 
 def endpoint(engine: Mapping[str, Any]) -> str:
@@ -188,23 +164,18 @@ def endpoint(engine: Mapping[str, Any]) -> str:
 
 def deployment(engine: Mapping[str, Any]) -> Manifest:
     meta = engine["metadata"]
-    metadata = _metadata(engine, meta["name"])
-    metadata["annotations"] = {naming.GENERATION_ANNOTATION: str(meta["generation"])}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata,
-        "spec": {
-            "replicas": engine["spec"]["replicas"],
-            "selector": {"matchLabels": naming.selector_labels(meta["name"])},
-            # A surge pod would need a spare GPU that may not exist and deadlock the rollout:
-            # replace one pod at a time instead.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            # Loading, or downloading, large weights can outlast the default 10 minutes.
-            "progressDeadlineSeconds": 1800,
-            "template": pod_template(engine),
-        },
-    }
+    manifest = _owned(engine, "apps/v1", "Deployment", meta["name"], spec={
+        "replicas": engine["spec"]["replicas"],
+        "selector": {"matchLabels": naming.selector_labels(meta["name"])},
+        # A surge pod would need a spare GPU that may not exist and deadlock the rollout:
+        # replace one pod at a time instead.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+        # Loading, or downloading, large weights can outlast the default 10 minutes.
+        "progressDeadlineSeconds": 1800,
+        "template": pod_template(engine),
+    })
+    manifest["metadata"]["annotations"] = {naming.GENERATION_ANNOTATION: str(meta["generation"])}
+    return manifest
 
 
 def pod_template(engine: Mapping[str, Any]) -> Manifest:
@@ -242,31 +213,21 @@ def pod_template(engine: Mapping[str, Any]) -> Manifest:
 
 def pod_disruption_budget(engine: Mapping[str, Any]) -> Manifest:
     name = engine["metadata"]["name"]
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": _metadata(engine, name),
-        "spec": {
-            # One pod at a time: with a single replica this still lets a node drain proceed.
-            "maxUnavailable": 1,
-            "selector": {"matchLabels": naming.selector_labels(name)},
-            # A pod that is not serving anyway must not block a drain.
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
-    }
+    return _owned(engine, "policy/v1", "PodDisruptionBudget", name, spec={
+        # One pod at a time: with a single replica this still lets a node drain proceed.
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": naming.selector_labels(name)},
+        # A pod that is not serving anyway must not block a drain.
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+    })
 
 
 def service_monitor_for(engine: Mapping[str, Any]) -> Manifest:
     name = engine["metadata"]["name"]
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
-        "metadata": _metadata(engine, name),
-        "spec": {
-            "selector": {"matchLabels": naming.selector_labels(name)},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
-        },
-    }
+    return _owned(engine, "monitoring.coreos.com/v1", "ServiceMonitor", name, spec={
+        "selector": {"matchLabels": naming.selector_labels(name)},
+        "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+    })
 
 
 def owner_reference(engine: Mapping[str, Any]) -> dict[str, Any]:
@@ -277,14 +238,16 @@ def owner_reference(engine: Mapping[str, Any]) -> dict[str, Any]:
             "uid": meta["uid"], "controller": True}
 
 
-def _metadata(engine: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _owned(engine: Mapping[str, Any], api_version: str, kind: str, name: str, **fields: Any) -> Manifest:
+    """One of the engine's children: in its namespace, with its labels, controlled by it."""
     meta = engine["metadata"]
-    return {
+    metadata = {
         "name": name,
         "namespace": meta["namespace"],
         "labels": naming.labels(meta["name"]),
         "ownerReferences": [owner_reference(engine)],
     }
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields}
 
 
 @dataclass(frozen=True)
