@@ -21,8 +21,10 @@ reading and a replica's capacity) goes in and comes out as a value.
 - ScalingLimited is True while the load asks for more than maxReplicas.
 - Scaling down takes the highest recommendation of the last scaleDownStabilizationSeconds, and
   waits for that window to have passed since the autoscaler's memory began (as the HPA does).
-- The result lies within [minReplicas, maxReplicas].
-- Missing, stale or invalid metrics hold the count and say why in MetricsAvailable.
+- The result lies within [minReplicas, maxReplicas], even where spec.replicas does not (the CRD
+  accepts any count, as the HPA's target does).
+- Missing, stale or invalid metrics hold the count (within the bounds) and say why in
+  MetricsAvailable.
 """
 
 from __future__ import annotations
@@ -138,8 +140,14 @@ def decide(
     since = now if memory.since is None else memory.since
     problem = _problem(policy, ready, starting, reading, now)
     if problem is not None:
-        return Decision(replicas, "", problem.message, (problem,), None, history,
-                        dataclasses.replace(memory, since=since))
+        # No reading to go by; the bounds are the spec's own, and hold all the same.
+        memory = dataclasses.replace(memory, since=since)
+        bounded = _clamp(policy, replicas)
+        if bounded == replicas:
+            return Decision(replicas, "", problem.message, (problem,), None, history, memory)
+        return Decision(bounded, SCALED_UP if bounded > replicas else SCALED_DOWN,
+                        f"{replicas} -> {bounded} replicas: within minReplicas {policy.min_replicas}"
+                        f" and maxReplicas {policy.max_replicas}", (problem,), None, history, memory)
     used = {pod: reading.samples[pod] for pod in ready}
     rates = {pod: _rates(sample, memory.pods.get(pod)) for pod, sample in used.items()}
     saturated = [rate[0] for pod, rate in rates.items()

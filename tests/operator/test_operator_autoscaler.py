@@ -310,6 +310,23 @@ def test_bad_metrics_hold_the_count_and_say_why(read: samples.Reading, reason: s
     assert words in available.message
 
 
+@pytest.mark.parametrize(("replicas", "bounded", "reason"), [(1, 2, "ScaledUp"), (9, 4, "ScaledDown")])
+def test_replicas_outside_the_bounds_are_brought_within_them_even_without_metrics(
+    replicas: int, bounded: int, reason: str
+) -> None:
+    # Autoscaling just turned on with minReplicas 2 over the default 1 replica, or maxReplicas
+    # lowered to 4 under 9: the bounds are the spec's, not a reading's, so they hold with none.
+    policy = dataclasses.replace(POLICY, min_replicas=2, max_replicas=4)
+    unreachable = samples.Reading(failure=samples.Problem(samples.UNREACHABLE, "http://prom: refused"))
+    held = autoscaler.decide(policy, replicas, ["p0"], 0, unreachable, (), 100.0)
+    assert (held.replicas, held.reason) == (bounded, reason)
+    assert held.message == f"{replicas} -> {bounded} replicas: within minReplicas 2 and maxReplicas 4"
+    assert held.conditions[0].status is False and held.conditions[0].reason == samples.UNREACHABLE
+    # With metrics, too, and at once: even a scale-down needs no window to reach maxReplicas.
+    idle = autoscaler.decide(policy, replicas, ["p0"], 0, reading(100.0, (0.0, 0)), (), 100.0)
+    assert (idle.replicas, idle.reason) == (bounded, reason)
+
+
 def test_stale_is_older_than_three_intervals() -> None:
     fresh = samples.Reading(samples={"p0": samples.PodSample("p0", 0.5, 0, 0, 100.0 - 45)})
     assert autoscaler.decide(POLICY, 1, ["p0"], 0, fresh, (), 100.0).conditions[0].status is True

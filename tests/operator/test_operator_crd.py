@@ -190,8 +190,6 @@ def test_invalid_specs_are_rejected_with_a_clear_message(change: str, expected: 
     [
         ({"model": {"name": "m"}}, "exactly one model source must be set"),
         ({"autoscaling": {"enabled": True}}, "autoscaling.maxReplicas is required"),
-        ({"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}},
-         "spec.replicas must lie within"),
         ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "maxNumBatchedTokens must be at least"),
         ({"engine": {"extraArgs": ["--port=9000"]}}, "extraArgs must not repeat a flag"),
         ({"engine": {"extraArgs": ["--no-enable-prefix-caching"]}}, "extraArgs must not repeat a flag"),
@@ -206,6 +204,21 @@ def test_more_bad_input_is_rejected(change: dict[str, Any], expected: str) -> No
     engine["spec"].update(change)
     found = errors(with_defaults(engine))
     assert any(expected in message for message in found), found
+
+
+@pytest.mark.parametrize("change", [
+    # Autoscaling turned on for an engine whose replicas were left at the default (1).
+    {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}},
+    # maxReplicas lowered below what the autoscaler had scaled to.
+    {"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}},
+])
+def test_replicas_outside_the_autoscaling_bounds_are_accepted(change: dict[str, Any]) -> None:
+    # The autoscaler owns spec.replicas and brings it within the bounds at its next interval, as
+    # the HPA does; refusing these would make a user edit the field that the autoscaler writes.
+    engine = example()
+    engine["spec"].pop("replicas")
+    engine["spec"].update(change)
+    assert errors(with_defaults(engine)) == []
 
 
 def test_long_or_odd_names_are_rejected() -> None:
