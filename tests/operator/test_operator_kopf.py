@@ -292,6 +292,25 @@ def test_a_deleted_child_is_recreated(tmp_path: Path, kind: str) -> None:
     run(scenario())
 
 
+def test_scaled_to_zero_and_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await created(k)
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 1), "Ready")
+            await k.scale("qwen", 0)
+            await eventually(lambda: k.deployment("qwen")["spec"]["replicas"] == 0, "no pods")
+            await k.roll_out("qwen")
+            await eventually(lambda: condition(k.engine("qwen"), "Ready").get("reason") == "ScaledToZero", "parked")
+            assert k.engine("qwen")["status"]["phase"] == "Pending"
+            await k.scale("qwen", 2)
+            await eventually(lambda: k.deployment("qwen")["spec"]["replicas"] == 2, "the pods back")
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 3), "Ready again")
+
+    run(scenario())
+
+
 def test_other_engines_and_foreign_deployments_are_left_alone(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
