@@ -6,6 +6,10 @@ would make kopf put a finalizer on every InferenceEngine, and deletion needs non
 child carries an ownerReference and the garbage collector removes it. The control loop
 (autoscaling, policy tuning) is an operator-level task per engine, started and stopped by a plain
 event handler, for the same reason.
+
+Besides the engines, it follows their Deployments (the rollout, into status), their other children
+(one deleted is applied again at once) and the Secrets that hold tenants' API keys (a rotated or
+revoked key is copied again at once). Every pass of one engine runs after the last (reconcile.py).
 """
 
 from __future__ import annotations
@@ -73,9 +77,8 @@ async def reconcile_engine(body: kopf.Body, memo: kopf.Memo, retry: int, **_: An
     try:
         problems = await memo.reconciler.reconcile(body)
     except kube.ApiError as error:
-        kopf.warn(body, reason="ReconcileFailed", message=str(error))
+        # Reported already (an Event, and Failed in status where the API server refused it).
         if error.permanent:
-            await memo.reconciler.record_failure(body, str(error))
             raise kopf.PermanentError(str(error)) from error
         raise kopf.TemporaryError(str(error), delay=retry_delay(retry)) from error
     if problems:
@@ -101,10 +104,8 @@ async def deployment_event(
         logger.warning(f"Could not follow the Deployment: {error}")
 
 
-# The other children that pods need to start or to be reached, recreated when deleted. Secrets
-# are left out: a watch streams every Secret of the namespaces into the operator, and the
-# operator's rights would grow from get to list; a deleted Secret comes back at the engine's next
-# reconcile (the policy tuner starts one when the admin token is gone).
+# The other children that pods need to start or to be reached, recreated when deleted (the
+# Secrets are followed below).
 @kopf.on.event("", "v1", "services", labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event("", "v1", "configmaps", labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_OWN_CHILDREN, registry=registry)
@@ -116,3 +117,29 @@ async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger
     except kube.ApiError as error:
         # The engine's next event, or the operator's restart (a resume), applies it again.
         logger.warning(f"Could not recreate the deleted {body.get('kind', 'object')}: {error}")
+
+
+@kopf.index(*_ENGINES, registry=registry)
+def engines_by_key_secret(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str]:
+    """(namespace, Secret) -> the engine, for each Secret that holds a tenant's API key."""
+    return {(namespace, ref["name"]): name
+            for tenant in spec.get("scheduling", {}).get("tenants", []) if (ref := tenant.get("apiKeySecretRef"))}
+
+
+# Every Secret, not only the operator's own: the tenants' key Secrets are the users', unlabelled,
+# and the operator copies their keys, so a rotated or revoked key must be copied again at once.
+@kopf.on.event("", "v1", "secrets", registry=registry)
+async def secret_event(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, engines_by_key_secret: kopf.Index,
+    **_: Any,
+) -> None:
+    if type is None:
+        return  # the listing at startup: every engine's resume reconciles it anyway
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        if type == "DELETED" and naming.owner_name(body) is not None:
+            await memo.reconciler.child_deleted(body)
+        for engine in sorted(set(engines_by_key_secret.get((namespace, name), []))):
+            await memo.reconciler.reconcile_current(namespace, engine)
+    except kube.ApiError as error:
+        logger.warning(f"Could not follow Secret {namespace}/{name}: {error}")

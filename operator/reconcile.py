@@ -32,10 +32,41 @@ class Reconciler:
         self._status_locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = (
             collections.defaultdict(asyncio.Lock)
         )
+        # Passes are started by the engine's own events and by its children's and Secrets'; one at
+        # a time per engine, so that two never both find a child missing (two Created events).
+        self._reconcile_locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = (
+            collections.defaultdict(asyncio.Lock)
+        )
 
     async def reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         """Apply the engine's children and refresh its status. Returns the problems that a retry
-        may fix (a tenant's key Secret that is missing); raises kube.ApiError when a call fails."""
+        may fix (a tenant's key Secret that is missing). A failed call is reported (an Event, and
+        for a request the API server refuses, the generation marked Failed) and raised as
+        kube.ApiError."""
+        meta = engine["metadata"]
+        async with self._reconcile_locks[meta["namespace"], meta["name"]]:
+            return await self._reconcile_reporting(engine)
+
+    async def reconcile_current(self, namespace: str, name: str) -> None:
+        """Reconcile the engine as it is now (not as an older event saw it), unless it is going
+        away, or the API server refused its current generation: a spec change clears that."""
+        async with self._reconcile_locks[namespace, name]:
+            engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
+            if engine is None or engine["metadata"].get("deletionTimestamp") or status.standing_failure(engine):
+                return
+            await self._reconcile_reporting(engine)
+
+    async def _reconcile_reporting(self, engine: Mapping[str, Any]) -> list[str]:
+        meta = engine["metadata"]
+        try:
+            return await self._reconcile(engine)
+        except kube.ApiError as error:
+            kopf.warn(_about(engine), reason=status.RECONCILE_FAILED, message=str(error))
+            if error.permanent:
+                await self.refresh_status(meta["namespace"], meta["name"], failure=str(error))
+            raise
+
+    async def _reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         keys, problems = await self.tenant_keys(engine)
         admin_token = await self.admin_token(engine)
         monitor = await self.client.serves(*SERVICE_MONITORS)
@@ -45,10 +76,6 @@ class Reconciler:
         for problem in problems:
             kopf.warn(_about(engine), reason=status.TENANT_KEY_MISSING, message=problem)
         return problems
-
-    async def record_failure(self, engine: Mapping[str, Any], message: str) -> None:
-        """Mark the engine Failed for its current generation; a spec change clears it."""
-        await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], failure=message)
 
     async def deployment_changed(self, deployment: Mapping[str, Any]) -> None:
         """Follow a child Deployment's rollout into its owner's status."""
@@ -61,12 +88,6 @@ class Reconciler:
         owner = naming.owner_name(child)
         if owner is not None:
             await self.reconcile_current(child["metadata"]["namespace"], owner)
-
-    async def reconcile_current(self, namespace: str, name: str) -> None:
-        """Reconcile the engine as it is now (not as an older event saw it), unless it is going away."""
-        engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
-        if engine is not None and not engine["metadata"].get("deletionTimestamp"):
-            await self.reconcile(engine)
 
     async def refresh_status(self, namespace: str, name: str, *, failure: str | None = None,
                              problems: list[str] | None = None) -> None:

@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import kopf
 import pytest
 
-from kvpilot.operator import handlers, kube, naming, render
+from kvpilot.operator import handlers, kube, naming, reconcile, render
 from operator_harness import (
     CHILD_NAMES, CHILDREN, NAMESPACE, SPEC, Cluster, child, cluster, condition, created, eventually, key,
-    operator, phase_is, run, tenants_file,
+    operator, phase_is, posted_events, run, tenants_file,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -246,8 +247,9 @@ def test_a_rejected_child_fails_the_generation_until_the_spec_changes(tmp_path: 
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
             k.server.fail_next("PATCH", "deployments", 422)
-            await k.create_secret("prod-key", {"api-key": key("sk-prod")})
-            await k.create_engine("qwen", SPEC)
+            # No tenant key: the key Secret's event would start a pass of its own, which might
+            # take the one refusal instead of the engine's first pass (a real refusal repeats).
+            await k.create_engine("qwen", {**SPEC, "scheduling": {}})
             await eventually(lambda: phase_is(k, "Failed", 1), "Failed at generation 1")
             assert condition(k.engine("qwen"), "Ready")["reason"] == "ReconcileFailed"
             assert "422" in condition(k.engine("qwen"), "Ready")["message"]
@@ -257,6 +259,31 @@ def test_a_rejected_child_fails_the_generation_until_the_spec_changes(tmp_path: 
             await eventually(lambda: k.deployment("qwen"), "the Deployment, for generation 2")
             await k.roll_out("qwen")
             await eventually(lambda: phase_is(k, "Ready", 2), "Ready at generation 2")
+
+    run(scenario())
+
+
+def test_a_refused_generation_is_applied_again_only_once_the_spec_changes(tmp_path: Path) -> None:
+    # What a child's or a Secret's event starts (reconcile_current) respects a refusal as kopf's
+    # own handler does: the same spec would be refused again, with another Event.
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k:
+            with posted_events():
+                reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
+                try:
+                    await k.create_engine("qwen", {**SPEC, "scheduling": {}})
+                    k.server.fail_next("PATCH", "deployments", 422)
+                    with pytest.raises(kube.ApiError):
+                        await reconciler.reconcile(k.engine("qwen"))
+                    assert phase_is(k, "Failed", 1)
+                    applies = len(_applies(k))
+                    await reconciler.reconcile_current(NAMESPACE, "qwen")
+                    assert len(_applies(k)) == applies and k.deployment("qwen") is None
+                    await k.update_engine("qwen", lambda spec: spec.update(replicas=1))
+                    await reconciler.reconcile_current(NAMESPACE, "qwen")
+                    assert k.deployment("qwen")["spec"]["replicas"] == 1
+                finally:
+                    await reconciler.client.close()
 
     run(scenario())
 
@@ -275,7 +302,8 @@ def test_a_deleted_deployment_is_recreated(tmp_path: Path) -> None:
     run(scenario())
 
 
-@pytest.mark.parametrize("kind", ["Service", "ConfigMap", "SchedulingConfig", "PodDisruptionBudget"])
+@pytest.mark.parametrize("kind", ["Service", "ConfigMap", "SchedulingConfig", "PodDisruptionBudget", "Secret",
+                                  "AdminToken"])
 def test_a_deleted_child_is_recreated(tmp_path: Path, kind: str) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
@@ -286,8 +314,22 @@ def test_a_deleted_child_is_recreated(tmp_path: Path, kind: str) -> None:
                 lambda: (c := child(k, kind)) and c["metadata"]["uid"] != first["metadata"]["uid"] and c,
                 f"a new {kind}",
             )
-            assert {key: value for key, value in again.items() if key != "metadata"} == \
-                {key: value for key, value in first.items() if key != "metadata"}
+            # The same object again; a lost admin token cannot be known again, so it is a new one.
+            rendered = ("metadata", "data") if kind == "AdminToken" else ("metadata",)
+            assert {key: value for key, value in again.items() if key not in rendered} == \
+                {key: value for key, value in first.items() if key not in rendered}
+
+    run(scenario())
+
+
+def test_a_rotated_tenant_key_reaches_the_engine(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await created(k)
+            await eventually(lambda: (child(k, "Secret") or {}).get("data") == {"prod": key("sk-prod")}, "the key")
+            # kubectl edit secret prod-key: the old key must stop working, the new one start.
+            await k.patch(f"/api/v1/namespaces/{NAMESPACE}/secrets/prod-key", {"data": {"api-key": key("sk-new")}})
+            await eventually(lambda: child(k, "Secret")["data"] == {"prod": key("sk-new")}, "the rotated key")
 
     run(scenario())
 
@@ -324,6 +366,16 @@ def test_other_engines_and_foreign_deployments_are_left_alone(tmp_path: Path) ->
             assert k.engine("other")["status"]["phase"] == "Pending"
 
     run(scenario())
+
+
+def test_secrets_are_followed_for_the_engines_whose_tenants_name_them() -> None:
+    spec = copy.deepcopy(SPEC)
+    spec["scheduling"]["tenants"] += [{"name": "batch", "apiKeySecretRef": {"name": "shared"}},
+                                     {"name": "ops", "apiKeySecretRef": {"name": "shared", "key": "ops"}},
+                                     {"name": "anonymous"}]
+    assert handlers.engines_by_key_secret(namespace="ml", name="qwen", spec=spec) == {
+        ("ml", "prod-key"): "qwen", ("ml", "shared"): "qwen"}
+    assert handlers.engines_by_key_secret(namespace="ml", name="other", spec={"scheduling": {}}) == {}
 
 
 def test_retry_delays_double_up_to_a_cap() -> None:
