@@ -24,6 +24,12 @@ registry = kopf.OperatorRegistry()
 
 _ENGINES = (naming.GROUP, naming.VERSION, naming.PLURAL)
 _OWN_CHILDREN = {naming.MANAGED_BY_LABEL: naming.FIELD_MANAGER}
+_DEPLOYMENTS = ("apps", "v1", "deployments")
+_SERVICES = ("", "v1", "services")
+_CONFIG_MAPS = ("", "v1", "configmaps")
+_PDBS = ("policy", "v1", "poddisruptionbudgets")
+_CHILD_RESOURCES = (_DEPLOYMENTS, _SERVICES, _CONFIG_MAPS, _PDBS)
+LIST_CHUNK_SIZE = 500
 
 # Retry delays after a failed API call: 1 s, doubling, at most 5 minutes.
 RETRY_BASE_SECONDS = 1.0
@@ -49,6 +55,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # A watch connection can die silently; these make it end and restart instead of hanging.
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
+    # The API server streams only the operator's own children; every Secret is streamed (the
+    # tenants' key Secrets are the users', unlabelled), so listings come in chunks, and a
+    # cluster's worth of Secrets is never in memory at once.
+    for resource in _CHILD_RESOURCES:
+        settings.watching.label_selectors[resource] = f"{naming.MANAGED_BY_LABEL}={naming.FIELD_MANAGER}"
+    settings.watching.chunk_size = LIST_CHUNK_SIZE
     memo.reconciler = reconcile.Reconciler(kube.Kube(settings))
     # Tests point the direct scrape and the policy tuner's calls at fake pods of their own, where
     # pods have no reachable IP.
@@ -90,7 +102,7 @@ async def follow_engine(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
     memo.control.follow(body, deleted=type == "DELETED")
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event(*_DEPLOYMENTS, labels=_OWN_CHILDREN, registry=registry)
 async def deployment_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
@@ -104,11 +116,11 @@ async def deployment_event(
         logger.warning(f"Could not follow the Deployment: {error}")
 
 
-# The other children that pods need to start or to be reached, recreated when deleted (the
-# Secrets are followed below).
-@kopf.on.event("", "v1", "services", labels=_OWN_CHILDREN, registry=registry)
-@kopf.on.event("", "v1", "configmaps", labels=_OWN_CHILDREN, registry=registry)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_OWN_CHILDREN, registry=registry)
+# Children that pods need to start or to be reached: one deleted is applied again (the Secrets
+# are followed below).
+@kopf.on.event(*_SERVICES, labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event(*_CONFIG_MAPS, labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event(*_PDBS, labels=_OWN_CHILDREN, registry=registry)
 async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     if type != "DELETED":
         return

@@ -13,7 +13,7 @@ import pytest
 from kvpilot.operator import handlers, kube, naming, reconcile, render
 from operator_harness import (
     CHILD_NAMES, CHILDREN, NAMESPACE, SPEC, Cluster, child, cluster, condition, created, eventually, key,
-    operator, phase_is, posted_events, run, tenants_file,
+    TEST_CLIENT, operator, phase_is, posted_events, run, tenants_file,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -318,6 +318,26 @@ def test_a_deleted_child_is_recreated(tmp_path: Path, kind: str) -> None:
             rendered = ("metadata", "data") if kind == "AdminToken" else ("metadata",)
             assert {key: value for key, value in again.items() if key not in rendered} == \
                 {key: value for key, value in first.items() if key not in rendered}
+
+    run(scenario())
+
+
+def test_watches_stream_only_what_the_operator_needs(tmp_path: Path) -> None:
+    # The API server filters the children by the operator's label; the Secrets cannot be (a
+    # tenant's is the user's), so their listing comes in chunks, never a cluster's worth at once.
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await created(k)
+            streams = {plural: [r for r in k.server if r.method == "GET" and r.resource is not None
+                                and r.resource.plural == plural and not r.name
+                                and r.headers.get("User-Agent") != TEST_CLIENT]
+                       for plural in ("deployments", "services", "configmaps", "poddisruptionbudgets", "secrets")}
+            assert all(streams.values()), {plural: len(found) for plural, found in streams.items()}
+            for plural in ("deployments", "services", "configmaps", "poddisruptionbudgets"):
+                assert {r.params.get("labelSelector") for r in streams[plural]} == {
+                    "app.kubernetes.io/managed-by=kvpilot-operator"}, plural
+            listings = [r for r in streams["secrets"] if r.params.get("watch") != "true"]
+            assert listings and all(int(r.params["limit"]) <= 500 for r in listings)
 
     run(scenario())
 
