@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import collections
 import datetime
 import secrets
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
@@ -23,20 +23,33 @@ from kvpilot.operator import kube, naming, render, status
 SERVICE_MONITORS = ("monitoring.coreos.com/v1", "servicemonitors")
 
 
+class EngineLocks:
+    """One asyncio.Lock per engine, kept only while some task holds or awaits it: engines come and
+    go for as long as the operator runs, and a lock per engine ever seen would only grow."""
+
+    def __init__(self) -> None:
+        self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def __getitem__(self, key: tuple[str, str]) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
 class Reconciler:
     def __init__(self, client: kube.Kube) -> None:
         self.client = client
         # Status is written from three places (a reconcile pass, the Deployment follower and the
         # control loop); one lock per engine, with fresh reads inside it, keeps an older view from
         # landing last.
-        self._status_locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = (
-            collections.defaultdict(asyncio.Lock)
-        )
+        self._status_locks = EngineLocks()
         # Passes are started by the engine's own events and by its children's and Secrets'; one at
         # a time per engine, so that two never both find a child missing (two Created events).
-        self._reconcile_locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = (
-            collections.defaultdict(asyncio.Lock)
-        )
+        self._reconcile_locks = EngineLocks()
 
     async def reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         """Apply the engine's children and refresh its status. Returns the problems that a retry

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -401,3 +403,22 @@ def test_secrets_are_followed_for_the_engines_whose_tenants_name_them() -> None:
 def test_retry_delays_double_up_to_a_cap() -> None:
     assert [handlers.retry_delay(retry) for retry in range(4)] == [1, 2, 4, 8]
     assert handlers.retry_delay(30) == handlers.RETRY_MAX_SECONDS == 300
+
+
+def test_engine_locks_last_only_while_used() -> None:
+    async def hold(lock: asyncio.Lock) -> None:
+        async with lock:
+            pass
+
+    async def scenario() -> None:
+        locks = reconcile.EngineLocks()
+        async with locks["ml", "a"]:
+            assert locks["ml", "a"] is locks["ml", "a"] and len(locks) == 1
+            waiter = asyncio.create_task(hold(locks["ml", "a"]))
+            await asyncio.sleep(0)
+        await waiter
+        del waiter
+        gc.collect()
+        assert len(locks) == 0  # the engine may be long gone: nothing of it is kept
+
+    run(scenario())
