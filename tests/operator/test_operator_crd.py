@@ -197,6 +197,11 @@ def test_invalid_specs_are_rejected_with_a_clear_message(change: str, expected: 
         ({"scheduling": {"policy": "random"}}, "'random' is not one of"),
         ({"model": {"name": "m", "hostPath": "relative/dir"}}, "does not match"),
         ({"replicas": 1, "unknownField": True}, "unknown field"),
+        ({"replicas": -1}, "-1 is less than the minimum of 0"),
+        ({"model": {"name": "", "pvc": {"claimName": "models"}}}, "should be non-empty"),
+        ({"image": ""}, "should be non-empty"),
+        ({"autoscaling": {"minReplicas": 0}}, "0 is less than the minimum of 1"),
+        ({"autoscaling": {"targetKVCacheUsage": 0}}, "less than or equal to the minimum of 0"),
     ],
 )
 def test_more_bad_input_is_rejected(change: dict[str, Any], expected: str) -> None:
