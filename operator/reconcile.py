@@ -65,7 +65,8 @@ class Reconciler:
         away, or the API server refused its current generation: a spec change clears that."""
         async with self._reconcile_locks[namespace, name]:
             engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
-            if engine is None or engine["metadata"].get("deletionTimestamp") or status.standing_failure(engine):
+            if (engine is None or engine["metadata"].get("deletionTimestamp")
+                    or status.standing_failure(engine) is not None):
                 return
             await self._reconcile_reporting(engine)
 
