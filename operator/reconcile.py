@@ -50,6 +50,9 @@ class Reconciler:
         # Passes are started by the engine's own events and by its children's and Secrets'; one at
         # a time per engine, so that two never both find a child missing (two Created events).
         self._reconcile_locks = EngineLocks()
+        # Deployment path -> its metadata.generation as the operator's last apply left it: a
+        # later generation is a spec someone changed by hand (kubectl scale, set image, edit).
+        self._applied_generations: dict[str, int] = {}
 
     async def reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         """Apply the engine's children and refresh its status. Returns the problems that a retry
@@ -64,11 +67,14 @@ class Reconciler:
         """Reconcile the engine as it is now (not as an older event saw it), unless it is going
         away, or the API server refused its current generation: a spec change clears that."""
         async with self._reconcile_locks[namespace, name]:
-            engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
-            if (engine is None or engine["metadata"].get("deletionTimestamp")
-                    or status.standing_failure(engine) is not None):
-                return
-            await self._reconcile_reporting(engine)
+            await self._reconcile_fresh(namespace, name)
+
+    async def _reconcile_fresh(self, namespace: str, name: str) -> None:
+        engine = await self.client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
+        if (engine is None or engine["metadata"].get("deletionTimestamp")
+                or status.standing_failure(engine) is not None):
+            return
+        await self._reconcile_reporting(engine)
 
     async def _reconcile_reporting(self, engine: Mapping[str, Any]) -> list[str]:
         meta = engine["metadata"]
@@ -92,13 +98,30 @@ class Reconciler:
         return problems
 
     async def deployment_changed(self, deployment: Mapping[str, Any]) -> None:
-        """Follow a child Deployment's rollout into its owner's status."""
+        """Follow a child Deployment's rollout into its owner's status, and put back a spec that
+        was changed by hand."""
         owner = naming.owner_name(deployment)
-        if owner is not None:
-            await self.refresh_status(deployment["metadata"]["namespace"], owner)
+        if owner is None:
+            return
+        namespace = deployment["metadata"]["namespace"]
+        if self._applied_by_operator(deployment):
+            await self.refresh_status(namespace, owner)
+            return
+        async with self._reconcile_locks[namespace, owner]:
+            # The pass that held the lock may have made this generation itself.
+            if not self._applied_by_operator(deployment):
+                await self._reconcile_fresh(namespace, owner)
+
+    def _applied_by_operator(self, deployment: Mapping[str, Any]) -> bool:
+        """Whether the Deployment's spec is one the operator applied (or older), not one changed
+        since: unknown after a restart, when the resume applies it again anyway."""
+        applied = self._applied_generations.get(kube.path_of(deployment))
+        generation = deployment["metadata"].get("generation")
+        return applied is not None and generation is not None and generation <= applied
 
     async def child_deleted(self, child: Mapping[str, Any]) -> None:
         """Apply the children again after one was deleted, unless its owner is going away too."""
+        self._applied_generations.pop(kube.path_of(child), None)
         owner = naming.owner_name(child)
         if owner is not None:
             await self.reconcile_current(child["metadata"]["namespace"], owner)
@@ -169,6 +192,8 @@ class Reconciler:
     async def _apply(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
         before = await self.client.get(kube.path_of(child))
         after = await self.client.apply(child)
+        if child["kind"] == "Deployment":
+            self._applied_generations[kube.path_of(child)] = after["metadata"].get("generation")
         what = f"{child['kind']} {child['metadata']['name']}"
         if before is None:
             kopf.info(_about(engine), reason="Created", message=f"Created {what}")

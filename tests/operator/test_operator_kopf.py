@@ -290,6 +290,29 @@ def test_a_refused_generation_is_applied_again_only_once_the_spec_changes(tmp_pa
     run(scenario())
 
 
+def test_a_deployment_edited_by_hand_is_put_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            first = await created(k)
+            url = kube.path_of(first)
+            # kubectl scale deployment qwen --replicas=5, and kubectl set image.
+            await k.patch(url, {"spec": {"replicas": 5}})
+            await eventually(lambda: k.deployment("qwen")["spec"] == first["spec"], "the rendered spec again")
+            await k.patch(url, {"spec": {"template": {"spec": {"containers": [{"name": "engine", "image": "x"}]}}}})
+            await eventually(lambda: k.deployment("qwen")["spec"] == first["spec"], "the rendered template again")
+            # Its controller's own writes (status) start no pass.
+            def applied(plural: str) -> int:
+                return sum(1 for r in _applies(k) if r.resource.plural == plural)
+
+            await eventually(lambda: applied("poddisruptionbudgets") == applied("deployments"), "the pass's end")
+            applies = len(_applies(k))
+            await k.roll_out("qwen")
+            await eventually(lambda: phase_is(k, "Ready", 1), "Ready")
+            assert len(_applies(k)) == applies
+
+    run(scenario())
+
+
 def test_a_deleted_deployment_is_recreated(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
