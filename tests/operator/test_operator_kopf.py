@@ -375,6 +375,11 @@ def test_a_rotated_tenant_key_reaches_the_engine(tmp_path: Path) -> None:
             # kubectl edit secret prod-key: the old key must stop working, the new one start.
             await k.patch(f"/api/v1/namespaces/{NAMESPACE}/secrets/prod-key", {"data": {"api-key": key("sk-new")}})
             await eventually(lambda: child(k, "Secret")["data"] == {"prod": key("sk-new")}, "the rotated key")
+            # kubectl delete secret prod-key: revoked.
+            await k.delete(f"/api/v1/namespaces/{NAMESPACE}/secrets/prod-key")
+            await eventually(lambda: not child(k, "Secret").get("data"), "the revoked key gone")
+            await eventually(lambda: condition(k.engine("qwen"), "Degraded")["reason"] == "TenantKeyMissing",
+                             "Degraded, with the missing key")
 
     run(scenario())
 
