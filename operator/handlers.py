@@ -7,9 +7,10 @@ child carries an ownerReference and the garbage collector removes it. The contro
 (autoscaling, policy tuning) is an operator-level task per engine, started and stopped by a plain
 event handler, for the same reason.
 
-Besides the engines, it follows their Deployments (the rollout, into status), their other children
-(one deleted is applied again at once) and the Secrets that hold tenants' API keys (a rotated or
-revoked key is copied again at once). Every pass of one engine runs after the last (reconcile.py).
+Besides the engines, it follows their Deployments (the rollout, into status), every child (one
+deleted or edited by hand is applied again at once) and the Secrets that hold tenants' API keys (a
+rotated or revoked key is copied again at once). Every pass of one engine runs after the last
+(reconcile.py).
 """
 
 from __future__ import annotations
@@ -107,28 +108,32 @@ async def deployment_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     try:
-        if type == "DELETED":
-            await memo.reconciler.child_deleted(body)
-        else:
-            await memo.reconciler.deployment_changed(body)
+        await _follow_child(type, body, memo)
     except kube.ApiError as error:
         # The next event of this Deployment, or of its engine, brings the status up to date.
         logger.warning(f"Could not follow the Deployment: {error}")
 
 
-# Children that pods need to start or to be reached: one deleted is applied again (the Secrets
-# are followed below).
+# The other children: one deleted or edited by hand is applied again (the Secrets are followed
+# below). The listing at startup is left to every engine's resume.
 @kopf.on.event(*_SERVICES, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_CONFIG_MAPS, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_PDBS, labels=_OWN_CHILDREN, registry=registry)
 async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    if type != "DELETED":
+    if type is None:
         return
     try:
-        await memo.reconciler.child_deleted(body)
+        await _follow_child(type, body, memo)
     except kube.ApiError as error:
         # The engine's next event, or the operator's restart (a resume), applies it again.
-        logger.warning(f"Could not recreate the deleted {body.get('kind', 'object')}: {error}")
+        logger.warning(f"Could not put back {body.get('kind', 'an object')} {body['metadata']['name']}: {error}")
+
+
+async def _follow_child(type: str | None, body: kopf.Body, memo: kopf.Memo) -> None:
+    if type == "DELETED":
+        await memo.reconciler.child_deleted(body)
+    else:
+        await memo.reconciler.child_changed(body)
 
 
 @kopf.index(*_ENGINES, registry=registry)
@@ -149,8 +154,8 @@ async def secret_event(
         return  # the listing at startup: every engine's resume reconciles it anyway
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
-        if type == "DELETED" and naming.owner_name(body) is not None:
-            await memo.reconciler.child_deleted(body)
+        if naming.owner_name(body) is not None:
+            await _follow_child(type, body, memo)
         for engine in sorted(set(engines_by_key_secret.get((namespace, name), []))):
             await memo.reconciler.reconcile_current(namespace, engine)
     except kube.ApiError as error:

@@ -50,9 +50,9 @@ class Reconciler:
         # Passes are started by the engine's own events and by its children's and Secrets'; one at
         # a time per engine, so that two never both find a child missing (two Created events).
         self._reconcile_locks = EngineLocks()
-        # Deployment path -> its metadata.generation as the operator's last apply left it: a
-        # later generation is a spec someone changed by hand (kubectl scale, set image, edit).
-        self._applied_generations: dict[str, int] = {}
+        # Child path -> its version as the operator's last apply left it (see _version): any other
+        # version seen later is someone's edit (kubectl scale, set image, edit), to be put back.
+        self._applied: dict[str, str] = {}
 
     async def reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         """Apply the engine's children and refresh its status. Returns the problems that a retry
@@ -97,31 +97,36 @@ class Reconciler:
             kopf.warn(_about(engine), reason=status.TENANT_KEY_MISSING, message=problem)
         return problems
 
-    async def deployment_changed(self, deployment: Mapping[str, Any]) -> None:
-        """Follow a child Deployment's rollout into its owner's status, and put back a spec that
-        was changed by hand."""
-        owner = naming.owner_name(deployment)
+    async def child_changed(self, child: Mapping[str, Any]) -> None:
+        """Put back a child that was changed by hand, and follow a Deployment's rollout into its
+        owner's status."""
+        owner = naming.owner_name(child)
         if owner is None:
             return
-        namespace = deployment["metadata"]["namespace"]
-        if self._applied_by_operator(deployment):
-            await self.refresh_status(namespace, owner)
+        namespace = child["metadata"]["namespace"]
+        if self._applied_by_operator(child):
+            if child["kind"] == "Deployment":
+                await self.refresh_status(namespace, owner)
             return
         async with self._reconcile_locks[namespace, owner]:
-            # The pass that held the lock may have made this generation itself.
-            if not self._applied_by_operator(deployment):
+            # The pass that held the lock may have made this version itself.
+            if not self._applied_by_operator(child):
                 await self._reconcile_fresh(namespace, owner)
 
-    def _applied_by_operator(self, deployment: Mapping[str, Any]) -> bool:
-        """Whether the Deployment's spec is one the operator applied (or older), not one changed
-        since: unknown after a restart, when the resume applies it again anyway."""
-        applied = self._applied_generations.get(kube.path_of(deployment))
-        generation = deployment["metadata"].get("generation")
-        return applied is not None and generation is not None and generation <= applied
+    def _applied_by_operator(self, child: Mapping[str, Any]) -> bool:
+        """Whether the child is as the operator's last apply left it; unknown after a restart,
+        when the engine's resume applies it again anyway."""
+        return self._applied.get(kube.path_of(child)) == _version(child)
+
+    async def apply_child(self, child: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side-apply one child, remembering the version it leaves."""
+        after = await self.client.apply(child)
+        self._applied[kube.path_of(child)] = _version(after)
+        return after
 
     async def child_deleted(self, child: Mapping[str, Any]) -> None:
         """Apply the children again after one was deleted, unless its owner is going away too."""
-        self._applied_generations.pop(kube.path_of(child), None)
+        self._applied.pop(kube.path_of(child), None)
         owner = naming.owner_name(child)
         if owner is not None:
             await self.reconcile_current(child["metadata"]["namespace"], owner)
@@ -191,14 +196,24 @@ class Reconciler:
 
     async def _apply(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
         before = await self.client.get(kube.path_of(child))
-        after = await self.client.apply(child)
-        if child["kind"] == "Deployment":
-            self._applied_generations[kube.path_of(child)] = after["metadata"].get("generation")
+        after = await self.apply_child(child)
         what = f"{child['kind']} {child['metadata']['name']}"
         if before is None:
             kopf.info(_about(engine), reason="Created", message=f"Created {what}")
         elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
             kopf.info(_about(engine), reason="Updated", message=f"Updated {what}")
+
+
+# Kinds whose status changes all the time (their controllers' writes) and whose generation
+# changes only with their spec: for them the generation is the version an edit changes.
+_STATUS_BUSY_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
+
+
+def _version(child: Mapping[str, Any]) -> str:
+    meta = child["metadata"]
+    if child["kind"] in _STATUS_BUSY_KINDS:
+        return f"generation {meta.get('generation')}"
+    return f"resourceVersion {meta.get('resourceVersion')}"
 
 
 def decoded_token(encoded: str | None) -> str | None:

@@ -71,7 +71,7 @@ class PolicyTuning:
         wanted = render.scheduling_config_map(engine, policy)
         current = await self._reconciler.client.get(kube.path_of(wanted))
         if current is None or current.get("data") != wanted["data"]:
-            await self._reconciler.client.apply(wanted)
+            await self._reconciler.apply_child(wanted)
 
     async def _bring_pods_in_line(
         self, engine: Mapping[str, Any], ready: Sequence[Mapping[str, Any]], policy: str, timeout: float

@@ -200,6 +200,11 @@ def _applies(k: Cluster) -> list[Any]:
     return [r for r in k.server if r.method == "PATCH" and "fieldManager=kvpilot-operator" in r.url.query_string]
 
 
+def applied(k: Cluster, plural: str) -> int:
+    """How often the operator applied objects of one kind: PDBs are applied last in a pass."""
+    return sum(1 for r in _applies(k) if r.resource.plural == plural)
+
+
 def _status_reads(k: Cluster) -> list[Any]:
     # The resume handler's status check GETs nothing; the Deployment follower GETs the engine.
     return [r for r in k.server if r.method == "GET" and r.url.path.endswith("/inferenceengines/qwen")]
@@ -301,14 +306,33 @@ def test_a_deployment_edited_by_hand_is_put_back(tmp_path: Path) -> None:
             await k.patch(url, {"spec": {"template": {"spec": {"containers": [{"name": "engine", "image": "x"}]}}}})
             await eventually(lambda: k.deployment("qwen")["spec"] == first["spec"], "the rendered template again")
             # Its controller's own writes (status) start no pass.
-            def applied(plural: str) -> int:
-                return sum(1 for r in _applies(k) if r.resource.plural == plural)
-
-            await eventually(lambda: applied("poddisruptionbudgets") == applied("deployments"), "the pass's end")
+            await eventually(lambda: applied(k, "poddisruptionbudgets") == applied(k, "deployments"), "the pass's end")
             applies = len(_applies(k))
             await k.roll_out("qwen")
             await eventually(lambda: phase_is(k, "Ready", 1), "Ready")
             assert len(_applies(k)) == applies
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("kind", "edit"), [
+    ("ConfigMap", {"data": {"tenants.yaml": "[]\n"}}),  # every tenant dropped by hand
+    ("Service", {"spec": {"ports": [{"name": "http", "port": 9999, "targetPort": "http", "protocol": "TCP"}]}}),
+    ("PodDisruptionBudget", {"spec": {"maxUnavailable": 0}}),  # would block every node drain
+    ("Secret", {"data": {"intruder": key("sk-intruder")}}),  # a key nobody declared
+])
+def test_a_child_edited_by_hand_is_put_back(tmp_path: Path, kind: str, edit: dict[str, Any]) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            # No keyed tenant: its Secret's event would start a second pass, which would put the
+            # edit back whether edits are followed or not.
+            await k.create_engine("qwen", {**SPEC, "scheduling": {}})
+            await eventually(lambda: applied(k, "poddisruptionbudgets") == 1, "the first pass's end")
+            first = child(k, kind)
+            await k.patch(kube.path_of(first), edit)
+            await eventually(lambda: {key: value for key, value in child(k, kind).items() if key != "metadata"}
+                             == {key: value for key, value in first.items() if key != "metadata"},
+                             f"the rendered {kind} again")
 
     run(scenario())
 
