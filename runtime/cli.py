@@ -222,6 +222,8 @@ _LIMIT_FLAGS = {
     "timeout_keep_alive_s": ("--timeout-keep-alive", "SECONDS", "close a keep-alive connection idle this long"),
     "header_timeout_s": ("--header-timeout", "SECONDS",
                          "close a connection whose request head has not arrived in this time"),
+    "body_timeout_s": ("--body-timeout", "SECONDS",
+                       "answer 408 to a request whose body has not fully arrived this long after its head"),
     "max_connections": ("--max-connections", "N", "most open connections; more are closed at once"),
 }
 

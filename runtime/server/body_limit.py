@@ -1,11 +1,18 @@
-"""413 for a request body over --max-request-body-bytes, before any of it is parsed.
+"""413 for a request body over --max-request-body-bytes, before any of it is parsed, and 408 for
+one that has not fully arrived --body-timeout after its head.
 
 A declared Content-Length over the limit is refused before a byte of the body is read; a chunked
 body is counted as it arrives and refused at the chunk that crosses the limit, so the server
 never holds more than the limit of any one body.
+
+The deadline is for the whole body, not for each read: a client that sends a byte now and then
+(a slow POST) would otherwise hold its connection, one of --max-connections, for as long as it
+likes, and enough of them lock everyone out, /health included.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -13,15 +20,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.runtime.server.errors import APIError
 
+# The body is not all read: the connection cannot carry another request.
+_CLOSE = {"Connection": "close"}
 
-def _message(limit: int) -> str:
+
+def _too_large(limit: int) -> str:
     return f"the request body is larger than this server's limit of {limit} bytes (--max-request-body-bytes)"
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -29,20 +40,32 @@ class BodyLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            error = APIError(413, _message(self.max_bytes), code="request_too_large",
-                             headers={"Connection": "close"})
+            error = APIError(413, _too_large(self.max_bytes), code="request_too_large", headers=_CLOSE)
             await error.response()(scope, receive, send)
             return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         received = 0
+        body_done = False
 
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    # An HTTPException: FastAPI's body parsing passes it on to the error handlers.
-                    raise HTTPException(413, _message(self.max_bytes), headers={"Connection": "close"})
+        async def guarded_receive() -> Message:
+            nonlocal received, body_done
+            if body_done:
+                # What comes after the body is the disconnect, which a stream waits for as long as it runs.
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                # HTTPExceptions: FastAPI's body parsing passes them on to the error handlers.
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                         "(--body-timeout)", headers=_CLOSE) from None
+            if message["type"] != "http.request":
+                body_done = True
+                return message
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, _too_large(self.max_bytes), headers=_CLOSE)
+            body_done = not message.get("more_body", False)
             return message
 
-        await self.app(scope, counting_receive, send)
+        await self.app(scope, guarded_receive, send)

@@ -42,6 +42,9 @@ class ServerLimits:
     timeout_keep_alive_s: float = 75.0
     # A connection whose request head has not fully arrived by then is closed (slowloris).
     header_timeout_s: float = 10.0
+    # A request whose body has not fully arrived this long after its head gets 408 (a slow POST).
+    # The largest body allowed (4 MiB) takes 60 s at 560 kbit/s.
+    body_timeout_s: float = 60.0
     # Open connections; more are closed on arrival. Below a container's usual 1024 descriptors.
     max_connections: int = 512
 

@@ -17,7 +17,9 @@ import pytest
 
 from server_harness import (
     HTTP_TIMEOUT_S,
+    RawRequest,
     assert_openai_error,
+    parse_http_response,
     start_server,
     wait_until,
 )
@@ -30,6 +32,7 @@ INLINE_KEY = "sk-inline-b81c"
 SECRETS = [SERVER_KEY, *KEYS.values(), ADMIN_TOKEN, INLINE_KEY]
 STALL_TIMEOUT_S = 2
 HEADER_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 3
 MAX_CONNECTIONS = 24
 SMALL = {"prompt": "A cache keeps", "max_tokens": 2, "ignore_eos": True}
 # Every wait on the server is bounded by this: under load, not a measure of speed.
@@ -64,7 +67,7 @@ def server(tiny_llama_dir, tenants_file, tmp_path_factory):
         "--max-n", "4", "--max-stop-strings", "4", "--max-stop-string-length", "16", "--max-stop-token-ids", "8",
         "--stream-stall-timeout", str(STALL_TIMEOUT_S), "--max-buffered-outputs", "64",
         "--socket-send-buffer-bytes", "8192",
-        "--header-timeout", str(HEADER_TIMEOUT_S), "--timeout-keep-alive", "2",
+        "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S), "--timeout-keep-alive", "2",
         "--max-connections", str(MAX_CONNECTIONS),
     )
     yield process
@@ -240,6 +243,24 @@ def test_half_open_and_idle_connections_are_closed_and_capped(server):
     with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as fresh:
         assert fresh.get("/health").status_code == 200
     assert "--max-connections" in server.log()  # the ones over the cap were refused on arrival
+
+
+def test_bodies_that_stop_arriving_are_answered_408_and_their_connections_freed(server):
+    # A slow POST: as many connections as the server allows send their head and the start of
+    # their body, then nothing; without a deadline they would hold the server (/health too) forever.
+    stuck = [RawRequest(server.base_url, "/v1/completions", SMALL, headers=ALPHA) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for request in stuck:
+            request.send_body(upto=5)
+        for request in stuck:
+            status, body = parse_http_response(request.read_to_end())
+            assert status == 408 and set(body) == {"error"}, body
+            assert "--body-timeout" in body["error"]["message"]
+    finally:
+        for request in stuck:
+            request.close()
+    with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as fresh:
+        assert fresh.get("/health").status_code == 200
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):
