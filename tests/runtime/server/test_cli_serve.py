@@ -1,10 +1,12 @@
-"""`kvpilot serve` arguments: every mistake is a usage error (exit 2) before any engine starts."""
+"""`kvpilot serve` arguments: every mistake is a usage error (exit 2), and an address that cannot be
+listened on an error (exit 1), before any engine starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from kvpilot.runtime import cli
+from kvpilot.runtime.server import launcher
 from kvpilot.runtime.server.limits import ServerLimits
 
 from server_harness import HTTP_TIMEOUT_S, start_server
@@ -34,6 +37,9 @@ def _usage_error(capsys, *argv: str) -> str:
     (["--dtype", "int8"], "argument --dtype: invalid choice"),
     (["--enable-auto-tool-choice"], "argument --enable-auto-tool-choice: needs --tool-call-parser"),
     (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral' (choose from 'hermes', 'llama3_json')"),
+    (["--port", "70000"], "argument --port: must be a TCP port, 1 to 65535, got 70000"),
+    # With serve's usage line, which lists its flags.
+    (["--no-such-flag"], "kvpilot serve: error: unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_flags(capsys, argv, complaint):
     assert complaint in _usage_error(capsys, *argv)
@@ -82,6 +88,23 @@ def test_engine_limits_are_checked_before_the_engine_starts(capsys, tiny_llama_d
         capsys, str(tiny_llama_dir), "--tensor-parallel-size", "3")
 
 
+@pytest.mark.parametrize("host, complaint", [
+    ("127.0.0.1", "Address already in use: another process is listening there, pick another --port"),
+    ("192.0.2.1", "Cannot assign requested address"),  # TEST-NET-1: no interface of this machine
+])
+def test_an_address_that_cannot_be_listened_on_fails_before_the_engine_starts(capsys, monkeypatch, tiny_llama_dir,
+                                                                               host, complaint):
+    def no_engine(*args, **kwargs):
+        pytest.fail("the engine was started for an address that cannot be listened on")
+
+    monkeypatch.setattr(launcher, "AsyncLLM", no_engine)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", str(tiny_llama_dir), "--host", host, "--port", str(port)]) == 1
+    error = capsys.readouterr().err
+    assert f"kvpilot serve: error: cannot listen on {host}:{port}: {complaint}" in error
+
+
 def test_the_console_script_and_python_m_both_run_the_cli():
     script = Path(sys.executable).with_name("kvpilot")
     result = subprocess.run([str(script), "serve", "--max-num-seqs", "0"], capture_output=True, text=True,
@@ -90,3 +113,12 @@ def test_the_console_script_and_python_m_both_run_the_cli():
     result = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--help"], capture_output=True,
                             text=True, timeout=120, env={"PATH": ""})
     assert result.returncode == 0 and "--served-model-name" in result.stdout
+
+
+def test_make_serve_takes_another_port_and_host():
+    # What the README tells a user whose port 8000 is taken; -n prints the command without running it.
+    repo = Path(__file__).parents[3]
+    result = subprocess.run(["make", "-n", "-s", "serve", "PORT=8123", "HOST=0.0.0.0"], cwd=repo,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "kvpilot serve --host 0.0.0.0 --port 8123" in result.stdout
