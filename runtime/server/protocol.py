@@ -164,7 +164,8 @@ class GenerationRequest(RequestBody):
         if len(logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(logit_bias)}")
         for token, bias in logit_bias.items():
-            if not token.isdigit() or not -100 <= bias <= 100:
+            # isdigit alone admits "²" and "٣": token ids are ASCII digits.
+            if not (token.isascii() and token.isdigit()) or not -100 <= bias <= 100:
                 raise ValueError(f"maps token ids to biases within [-100, 100], got {token!r}: {bias!r}")
         return logit_bias
 

@@ -61,6 +61,10 @@ def test_a_prompt_or_a_batch_of_them(prompt, batch):
     {"prompt": "x", "bad_words": ["w"] * 129},
     {"prompt": "x", "logit_bias": {"5": 101.0}},
     {"prompt": "x", "logit_bias": {"five": 1.0}},
+    # Digits to str.isdigit, but no token id: "²" is no number int() reads, and "٣" is not how
+    # a client writes 3.
+    {"prompt": "x", "logit_bias": {"\u00b2": 1.0}},
+    {"prompt": "x", "logit_bias": {"\u0663": 1.0}},
     {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}},
     {"prompt": "x", "prompt_logprobs": 21},
 ])
