@@ -1,6 +1,7 @@
 """uvicorn's HTTP/1.1 protocol with the guards it lacks: a deadline for a new connection's
-request head, a cap on open connections, and a bounded kernel send buffer per connection; and
-the fast path for a stream's body chunks (body_writer.py).
+request head, a cap on open connections, a bounded kernel send buffer per connection, and a
+reset for a client that stops taking a finished response; and the fast path for a stream's body
+chunks (body_writer.py).
 
 uvicorn closes a keep-alive connection that stays idle after a response (--timeout-keep-alive,
 which also covers a later request head that never completes), but waits forever for the first
@@ -8,6 +9,12 @@ request of a connection: a slowloris client holds connections open by sending it
 byte at a time, or never. And Linux grows a socket's send buffer up to `tcp_wmem`'s maximum
 (4 MiB by default) for a client that does not read: a bound keeps that memory small, and makes
 such a client's stall visible to the server (streaming.py) after little output.
+
+A response that is complete on the server's side may still sit in the connection's buffer, for
+a client that does not read: uvicorn then closes the connection (after --timeout-keep-alive, or at
+once for `Connection: close`), and a close waits for the buffer to drain, which for that client is
+never. Such a connection is reset once the client has taken nothing of it for the stall timeout,
+the rule streaming.py applies while a stream runs.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpilot.runtime.server.body_writer import BODY_WRITER, body_writer
+from kvpilot.runtime.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +36,14 @@ logger = logging.getLogger(__name__)
 ABORT_CONNECTION = "kvpilot.abort_connection"
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int, send_buffer_bytes: int) -> type[H11Protocol]:
+def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
     """The protocol class to give uvicorn.Config(http=...)."""
+    header_timeout_s, max_connections = limits.header_timeout_s, limits.max_connections
+    send_buffer_bytes, stall_timeout_s = limits.socket_send_buffer_bytes, limits.stream_stall_timeout_s
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _unsent_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -49,7 +61,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_buffer_
             if self.scope is not None:
                 # The request's task has not started yet: it will see the extension.
                 extensions = self.scope.setdefault("extensions", {})
-                extensions[ABORT_CONNECTION] = self.transport.abort
+                extensions[ABORT_CONNECTION] = self._reset
                 if self.cycle is not None and self.cycle.scope is self.scope:
                     extensions[BODY_WRITER] = body_writer(self.cycle)
             if self.cycle is not None and self._header_timer is not None:
@@ -57,9 +69,34 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_buffer_
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._unsent_timer is None:
+                self._watch_unsent(None)
+
+        def _watch_unsent(self, before: int | None) -> None:
+            self._unsent_timer = None
+            unsent = self.transport.get_write_buffer_size()
+            if unsent == 0:
+                return
+            if before is not None and unsent >= before:
+                logger.warning("reset a connection whose client took none of its response for %g s", stall_timeout_s)
+                self._reset()
+                return
+            self._unsent_timer = self.loop.call_later(stall_timeout_s, self._watch_unsent, unsent)
+
+        def _reset(self) -> None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                # A reset: a plain close leaves the kernel sending the unsent rest to a client that
+                # never takes it, holding the send buffer for minutes.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
+            for timer in (self._header_timer, self._unsent_timer):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
             # uvicorn drops its keep-alive timer only on a clean close: after a reset the timer
             # would hold the connection's objects for the whole --timeout-keep-alive (75 s).

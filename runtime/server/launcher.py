@@ -66,7 +66,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket
         uvicorn_config = uvicorn.Config(
             app, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
             timeout_keep_alive=limits.timeout_keep_alive_s,
-            http=guarded_protocol(limits.header_timeout_s, limits.max_connections, limits.socket_send_buffer_bytes),
+            http=guarded_protocol(limits),
         )
         redact_access_log()
         server = DrainingServer(uvicorn_config, state, shutdown_timeout)

@@ -227,6 +227,32 @@ def test_a_client_that_stops_reading_is_aborted_and_frees_its_sequences(server, 
         sock.close()
 
 
+@pytest.mark.parametrize("connection", ["keep-alive", "close"])
+def test_a_client_that_never_reads_a_whole_response_is_dropped(server, connection):
+    # A response far larger than the socket buffers, complete on the server's side: neither
+    # uvicorn's keep-alive close nor its close after `Connection: close` ever finishes (both wait
+    # for the client to take the rest first), so the connection stayed open for good.
+    body = json.dumps({"prompt": "word " * 50_000}).encode()
+    sock = _connect(server, rcvbuf=4096)
+    sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEYS["alpha"].encode() + b"\r\n"
+                 b"Connection: " + connection.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    try:
+        # Watched without reading, which would drain the buffers: the server's reset closes the socket.
+        wait_until(lambda: _tcp_state(sock) == TCP_CLOSE, timeout=WAIT_S, interval=0.2,
+                   what="the server to drop the connection")
+    finally:
+        sock.close()
+
+
+# Linux's tcp_info starts with the connection's state; TCP_CLOSE is what a reset leaves.
+TCP_CLOSE = 7
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
 def test_half_open_and_idle_connections_are_closed_and_capped(server):
     # Slowloris: half of them send part of a request head, the other half nothing at all; more
     # than the cap in all, so the last ones are closed at once.
