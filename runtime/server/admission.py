@@ -1,4 +1,5 @@
-"""The door every request passes: 503 while draining or dead, 401 without a valid key; it counts
+"""The door every request passes: 503 while draining or dead, or on a connection of the reserve
+beyond --max-connections (connections.py), 401 without a valid key; it counts
 requests in flight for the SIGTERM drain, and releases the sequences a request took from its
 tenant's limit (429 beyond it) when the response ends.
 
@@ -15,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.runtime.server.auth import Authenticator
+from kvpilot.runtime.server.connections import OVER_CAPACITY
 from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.state import ServerState
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
@@ -24,7 +26,8 @@ from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 OBSERVATION_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Guarded by the admin token instead of an API key (api_server.py checks it).
 ADMIN_PREFIX = "/admin/"
-# What a 429 tells the client to wait: a tenant's sequences free up as its requests finish.
+# What a 429 (or a 503 for want of connections) tells the client to wait: a tenant's sequences,
+# and connections, free up as requests finish.
 RETRY_AFTER_S = 1
 
 
@@ -108,6 +111,9 @@ class AdmissionMiddleware:
             sequences.release()
 
     def _admit(self, scope: Scope) -> Tenant | None:
+        if scope.get("extensions", {}).get(OVER_CAPACITY):
+            raise APIError(503, "every connection this server takes is open (--max-connections): retry shortly",
+                           code="too_many_connections", headers={"Retry-After": str(RETRY_AFTER_S)})
         if self.state.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {self.state.dead_reason}", code="engine_dead")
         if self.state.draining:

@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 # An ASGI scope extension: how a response hangs up on a client that stopped reading. A plain
 # close would first wait for the unread buffer to drain, which for such a client is forever.
 ABORT_CONNECTION = "kvpilot.abort_connection"
+# Connections beyond --max-connections let in for the observation routes alone (/health, /metrics,
+# /version; admission.py refuses the others): the kubelet's probes and the operator's scrapes get
+# through a saturated server, which would otherwise be restarted, its work lost, when it is busiest.
+OBSERVATION_RESERVE = 8
+# An ASGI scope extension, set on the request of a connection in that reserve.
+OVER_CAPACITY = "kvpilot.over_capacity"
+_CLOSE = (b"connection", b"close")
 
 
 def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
@@ -44,13 +51,16 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _unsent_timer: asyncio.TimerHandle | None = None
+        _over_capacity = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                logger.warning("refused a connection: %d are open already (--max-connections)", max_connections)
+            if len(self.connections) > max_connections + OBSERVATION_RESERVE:
+                logger.warning("refused a connection: %d are open already (--max-connections, and %d more for "
+                               "/health and /metrics)", max_connections, OBSERVATION_RESERVE)
                 transport.close()
                 return
+            self._over_capacity = len(self.connections) > max_connections
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
@@ -62,6 +72,12 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
                 # The request's task has not started yet: it will see the extension.
                 extensions = self.scope.setdefault("extensions", {})
                 extensions[ABORT_CONNECTION] = self._reset
+                if self._over_capacity:
+                    extensions[OVER_CAPACITY] = True
+                    # One request and the connection goes (its answer says so): the reserve is
+                    # for probes, never for keeping.
+                    if _CLOSE not in self.scope["headers"]:
+                        self.scope["headers"].append(_CLOSE)
                 if self.cycle is not None and self.cycle.scope is self.scope:
                     extensions[BODY_WRITER] = body_writer(self.cycle)
             if self.cycle is not None and self._header_timer is not None:

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from kvpilot.runtime.server.connections import OBSERVATION_RESERVE
+
 from server_harness import (
     HTTP_TIMEOUT_S,
     RawRequest,
@@ -32,7 +34,7 @@ INLINE_KEY = "sk-inline-b81c"
 SECRETS = [SERVER_KEY, *KEYS.values(), ADMIN_TOKEN, INLINE_KEY]
 STALL_TIMEOUT_S = 2
 HEADER_TIMEOUT_S = 2
-BODY_TIMEOUT_S = 3
+BODY_TIMEOUT_S = 5
 MAX_CONNECTIONS = 24
 SMALL = {"prompt": "A cache keeps", "max_tokens": 2, "ignore_eos": True}
 # Every wait on the server is bounded by this: under load, not a measure of speed.
@@ -256,7 +258,7 @@ def _tcp_state(sock: socket.socket) -> int:
 def test_half_open_and_idle_connections_are_closed_and_capped(server):
     # Slowloris: half of them send part of a request head, the other half nothing at all; more
     # than the cap in all, so the last ones are closed at once.
-    sockets = [_connect(server) for _ in range(MAX_CONNECTIONS + 6)]
+    sockets = [_connect(server) for _ in range(MAX_CONNECTIONS + OBSERVATION_RESERVE + 6)]
     for sock in sockets[::2]:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
     deadline = time.monotonic() + WAIT_S
@@ -287,6 +289,25 @@ def test_bodies_that_stop_arriving_are_answered_408_and_their_connections_freed(
             request.close()
     with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as fresh:
         assert fresh.get("/health").status_code == 200
+
+
+def test_with_every_connection_taken_the_probes_still_answer_and_requests_get_503(server):
+    # What a saturated server looks like from outside (here: uploads in progress): the kubelet's
+    # probes and the operator's scrapes must still get through, or the pod is restarted, and its
+    # work lost, exactly when it is busiest; other requests are told to come back.
+    held = [RawRequest(server.base_url, "/v1/completions", SMALL, headers=ALPHA) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for request in held:
+            request.send_body(upto=5)
+        with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S, headers=ALPHA) as over:
+            assert over.get("/health").status_code == 200
+            assert "vllm:num_requests_running" in over.get("/metrics").text
+            refused = over.post("/v1/completions", json=SMALL)
+            assert_openai_error(refused, 503, code="too_many_connections")
+            assert refused.headers["Retry-After"].isdigit()
+    finally:
+        for request in held:
+            request.close()
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):
