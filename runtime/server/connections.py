@@ -1,7 +1,7 @@
 """uvicorn's HTTP/1.1 protocol with the guards it lacks: a deadline for a new connection's
 request head, a cap on open connections, a bounded kernel send buffer per connection, and a
-reset for a client that stops taking a finished response; and the fast path for a stream's body
-chunks (body_writer.py).
+reset for a client that stops taking a finished response, and OpenAI's error shape for what is
+not HTTP; and the fast path for a stream's body chunks (body_writer.py).
 
 uvicorn closes a keep-alive connection that stays idle after a response (--timeout-keep-alive,
 which also covers a later request head that never completes), but waits forever for the first
@@ -20,13 +20,16 @@ the rule streaming.py applies while a stream runs.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import struct
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpilot.runtime.server.body_writer import BODY_WRITER, body_writer
+from kvpilot.runtime.server.errors import bad_request
 from kvpilot.runtime.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -117,6 +120,16 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
             # uvicorn drops its keep-alive timer only on a clean close: after a reset the timer
             # would hold the connection's objects for the whole --timeout-keep-alive (75 s).
             self._unset_keepalive_if_required()
+
+        def send_400_response(self, msg: str) -> None:
+            # What h11 cannot parse: uvicorn answers it in plain text, every other error here is
+            # OpenAI's JSON.
+            body = json.dumps(bad_request("the request is not valid HTTP/1.1").body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), _CLOSE]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _head_overdue(self) -> None:
             self._header_timer = None

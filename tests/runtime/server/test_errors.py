@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 
-from server_harness import HTTP_TIMEOUT_S, assert_openai_error
+from server_harness import HTTP_TIMEOUT_S, assert_openai_error, parse_http_response
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,23 @@ def test_unknown_model_is_404(http):
 def test_admin_without_a_configured_token_is_404(http):
     assert_openai_error(http.post("/admin/scheduling", json={"policy": "priority"},
                                   headers={"Authorization": "Bearer anything"}), 404)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+])
+def test_what_is_not_http_is_400_in_the_openai_shape_too(server, request_bytes):
+    url = httpx.URL(server.base_url)
+    with socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(request_bytes)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, body = parse_http_response(answer)
+    assert status == 400 and set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"} and "HTTP" in body["error"]["message"]
 
 
 def test_malformed_json_is_400(http):
