@@ -29,6 +29,10 @@ MAX_BAD_WORD_LENGTH = 256
 MEDIA_PART_TYPES = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "image_embeds")
 # The roles chat templates are written for (OpenAI's, with its newer "developer").
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Far deeper than a real request nests (a JSON schema takes a level or two per property), far
+# shallower than what breaks the recursive code that reads a body (json.dumps, Jinja's tojson,
+# the grammar compiler).
+MAX_NESTING = 64
 # Integers cross to the engine as 64-bit (msgpack, torch); anything larger is refused here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -37,31 +41,36 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestBody(BaseModel):
-    """A request body; its text must be encodable, which JSON's "\\ud800" escapes are not."""
+    """A request body; its text must be encodable, which JSON's "\\ud800" escapes are not, and its
+    nesting bounded."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data):
-        _check_unicode(data)
+    def _valid_text_and_depth(cls, data):
+        _check_text_and_depth(data)
         return data
 
 
-def _check_unicode(value) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("text must be valid Unicode: it holds a lone surrogate") from None
-    elif isinstance(value, dict):
-        for item in value.values():
-            _check_unicode(item)
-    elif isinstance(value, list):
-        for item in value:
+def _check_text_and_depth(value) -> None:
+    """ValueError for a lone surrogate in any string (keys too) of `value`, or for nesting deeper
+    than MAX_NESTING. A loop, not a recursion: JSON nested a thousand deep parses, and broke the
+    recursive walk (a 500)."""
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("text must be valid Unicode: it holds a lone surrogate") from None
+        elif isinstance(item, (dict, list)):
+            if depth == MAX_NESTING:
+                raise ValueError(f"the request nests deeper than {MAX_NESTING} levels of objects and arrays")
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
             # Token ids, the bulk of a long prompt, hold no text: a 100k-id prompt was 13 ms of the loop.
-            if type(item) is not int:
-                _check_unicode(item)
+            pending.extend((child, depth + 1) for child in children if type(child) is not int)
 
 
 class StreamOptions(RequestBody):

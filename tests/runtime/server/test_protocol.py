@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.runtime.server.protocol import (
+    MAX_NESTING,
     ChatCompletionRequest,
     ChatDelta,
     ChatMessage,
@@ -136,10 +137,29 @@ def test_chat_deltas_carry_only_what_changed():
     {"prompt": "ok", "stop": ["fine", "\udfff"]},
     # Past the token ids of a batch, in a prompt of text.
     {"prompt": [[5, 6, 7], "\ud800"]},
+    # In a key, where a JSON schema's property names are.
+    {"prompt": "ok", "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"\ud800": {"type": "string"}}}}}},
 ])
 def test_lone_surrogates_are_refused(body):
     with pytest.raises(ValidationError, match="lone surrogate"):
         CompletionRequest.model_validate(body)
+
+
+def _nested(arrays: int) -> dict:
+    """A body of 1 + `arrays` levels (built in a loop: json.loads would recurse)."""
+    inner: list = []
+    for _ in range(arrays - 1):
+        inner = [inner]
+    return {"prompt": "x", "ignored": inner}
+
+
+@pytest.mark.parametrize("arrays", [MAX_NESTING, 960])
+def test_nesting_is_bounded_without_recursing(arrays):
+    # 960 levels parse (json's own limit is near 1000) and overflowed the recursive check: a 500.
+    with pytest.raises(ValidationError, match=f"nests deeper than {MAX_NESTING} levels"):
+        CompletionRequest.model_validate(_nested(arrays))
+    assert CompletionRequest.model_validate(_nested(MAX_NESTING - 1)).prompt == "x"
 
 
 def test_lone_surrogates_in_chat_messages_are_refused():
