@@ -122,7 +122,18 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
     if error.status_code == 404:
         message = f"no route {request.method} {request.url.path}"
         return APIError(404, message, code="not_found").response()
+    if error.status_code == 400 and error.__cause__ is not None:
+        # FastAPI has one message for every way a body fails to parse; its cause says which.
+        return bad_request(_unparsable(error.__cause__)).response()
     return APIError(error.status_code, str(error.detail), headers=error.headers).response()
+
+
+def _unparsable(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the request body nests too deeply to parse"
+    return f"the request body is not valid JSON: {cause}"
 
 
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:

@@ -62,8 +62,15 @@ def test_malformed_json_is_400(http):
     assert "JSON" in error["message"]
     assert_openai_error(http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
                         400)
-    assert_openai_error(http.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/json"}),
-                        400)
+
+@pytest.mark.parametrize("content, complaint", [
+    (b'{"prompt": "\xff\xfe"}', "the request body is not valid UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "the request body nests too deeply to parse"),
+    (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "the request body is not valid JSON: Exceeds the limit"),
+])
+def test_a_body_that_cannot_be_parsed_says_why(http, content, complaint):
+    response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert complaint in assert_openai_error(response, 400)["message"]
 
 
 @pytest.mark.parametrize("body, param", [
