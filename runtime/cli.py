@@ -152,6 +152,16 @@ def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 API_KEY_ENV = "KVPILOT_API_KEY"
 
 
+def _local_model(text: str) -> str:
+    if Path(text).exists():
+        return text
+    hint = ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith("."):
+        # What `vllm serve` takes; here the weights must be on disk already.
+        hint = f" (a Hugging Face repository is not downloaded: `hf download {text} --local-dir DIR`, then serve DIR)"
+    raise argparse.ArgumentTypeError(f"no such folder or file: {text}{hint}")
+
+
 def port(text: str) -> int:
     number = int(text)
     if not 1 <= number <= 65535:
@@ -177,7 +187,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                     "registry into ~/.cache/kvpilot).",
         formatter_class=_ServeHelpFormatter,
     )
-    sub.add_argument("model_dir", metavar="MODEL", nargs="?",
+    sub.add_argument("model_dir", metavar="MODEL", nargs="?", type=_local_model,
                      help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     http = sub.add_argument_group("HTTP server")
     http.add_argument("--host", default="0.0.0.0", help="address to listen on")

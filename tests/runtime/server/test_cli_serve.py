@@ -38,6 +38,9 @@ def _usage_error(capsys, *argv: str) -> str:
     (["--enable-auto-tool-choice"], "argument --enable-auto-tool-choice: needs --tool-call-parser"),
     (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral' (choose from 'hermes', 'llama3_json')"),
     (["--port", "70000"], "argument --port: must be a TCP port, 1 to 65535, got 70000"),
+    (["/no/such/model"], "argument MODEL: no such folder or file: /no/such/model"),
+    # What `vllm serve` takes, which fetches it.
+    (["Qwen/Qwen2.5-0.5B-Instruct"], "`hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`, then serve DIR"),
     # With serve's usage line, which lists its flags.
     (["--no-such-flag"], "kvpilot serve: error: unrecognized arguments: --no-such-flag"),
 ])
