@@ -290,6 +290,14 @@ def _checked(engine_setting: EngineSetting) -> Callable[[str], object]:
     return parse
 
 
+def _named_by_flag(message: str) -> str:
+    """A config error starts with the setting's name (tensor_parallel_size 3 does not divide ...):
+    said with the flag the user typed instead."""
+    name, _, rest = message.partition(" ")
+    setting = next((s for s in ENGINE_SETTINGS if s.arg == name), None)
+    return message if setting is None else f"argument {flag_name(setting)}: {rest}"
+
+
 def _policy_from_file(path: Path, parser: argparse.ArgumentParser) -> str:
     try:
         return SchedulingPolicy.parse(path.read_text().strip()).value
@@ -343,7 +351,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         engine_config = engine_args.create_engine_config()
         sampling_defaults = generation_defaults(model_dir, args.generation_config)
     except ValueError as err:
-        parser.error(str(err))
+        parser.error(_named_by_flag(str(err)))
     if sampling_defaults:
         print(f"kvpilot serve: sampling defaults from the model's generation config: {sampling_defaults} "
               "(--generation-config vllm ignores them)", file=sys.stderr)

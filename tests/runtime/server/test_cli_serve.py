@@ -85,9 +85,10 @@ def test_engine_limits_are_checked_before_the_engine_starts(capsys, tiny_llama_d
     # The flag's choices come from the block_size setting itself.
     assert "argument --block-size: invalid choice: 3" in _usage_error(
         capsys, str(tiny_llama_dir), "--block-size", "3")
-    assert "max_model_len 100000 exceeds the model's max_position_embeddings" in _usage_error(
+    # Named by the flag, not by the setting's Python name.
+    assert "argument --max-model-len: 100000 exceeds the model's max_position_embeddings" in _usage_error(
         capsys, str(tiny_llama_dir), "--max-model-len", "100000")
-    assert "tensor_parallel_size 3 does not divide" in _usage_error(
+    assert "argument --tensor-parallel-size: 3 does not divide" in _usage_error(
         capsys, str(tiny_llama_dir), "--tensor-parallel-size", "3")
 
 
