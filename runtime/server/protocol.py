@@ -12,7 +12,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kvpilot.runtime.config import SchedulingPolicy
 from kvpilot.runtime.structured_output.params import StructuredOutputsParams
@@ -129,8 +137,8 @@ class GenerationRequest(RequestBody):
     # 0 or -1 disable top-k, as in vLLM.
     top_k: int = Field(0, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
-    # The n choices get seeds seed + i, which stay within a torch generator's (unsigned) 64 bits.
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    # Choice i samples with seed + i, which the engine takes within [0, 2**63) (checked below, with n).
+    seed: int | None = Field(None, ge=0, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -164,6 +172,15 @@ class GenerationRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _every_choice_has_a_seed(cls, seed: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if seed is not None and seed > INT64_MAX - (n - 1):
+            raise ValueError(f"choice i samples with seed + i, which must stay below 2**63: seed {seed} leaves "
+                             f"no room for n={n}")
+        return seed
 
     @field_validator("logit_bias")
     @classmethod

@@ -157,7 +157,10 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(http, llm):
     ({"bad_words": [""]}, "bad_words"),
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, None),
-    ({"min_tokens": 9}, None),
+    ({"min_tokens": 9}, "min_tokens"),
+    ({"seed": -1}, "seed"),
+    # Choice 1 would sample with seed 2**63, past what the engine takes.
+    ({"seed": 2**63 - 1, "n": 2}, "seed"),
 ])
 def test_out_of_range_fields_are_400s_naming_the_field(http, fields, param):
     error = assert_openai_error(http.post("/v1/completions", json=_body(prompt="x", **fields)), 400, param=param)
