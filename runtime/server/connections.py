@@ -1,7 +1,8 @@
-"""uvicorn's HTTP/1.1 protocol with the guards it lacks: a deadline for a new connection's
-request head, a cap on open connections, a bounded kernel send buffer per connection, and a
-reset for a client that stops taking a finished response, and OpenAI's error shape for what is
-not HTTP; and the fast path for a stream's body chunks (body_writer.py).
+"""uvicorn's HTTP/1.1 protocol with the guards it lacks, and the fast path for a stream's body
+chunks (body_writer.py). The guards: a deadline for a new connection's request head; a cap on
+open connections, with a few more kept for the probes; a bounded kernel send buffer per
+connection; a reset for a client that stops taking a finished response; and OpenAI's error
+shape for what is not HTTP at all.
 
 uvicorn closes a keep-alive connection that stays idle after a response (--timeout-keep-alive,
 which also covers a later request head that never completes), but waits forever for the first
