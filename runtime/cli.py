@@ -40,7 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Said with the subcommand's usage, which lists its flags (the top-level usage lists none).
         args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     handler: Handler = args.handler
-    return handler(args, args.subparser)
+    try:
+        return handler(args, args.subparser)
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads (before the server handles its signals): what the user asked
+        # for, so no traceback. 130 is a shell's status for it.
+        print(f"{args.subparser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 # make_tiny_model argument -> the flag that sets it, to name the flag in usage errors.

@@ -35,7 +35,14 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, *, host: str, 
     """RuntimeError when the address cannot be listened on, before the engine starts."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with bound_socket(host, port) as sock:
-        return asyncio.run(_serve(engine_config, config, sock, shutdown_timeout))
+        # Started before the event loop: in it, asyncio.run would turn a Ctrl-C during the load
+        # into a cancellation that lands at the first await, inside uvicorn's startup (a logged
+        # traceback); here it is a plain KeyboardInterrupt, which the CLI reports in a line.
+        engine = AsyncLLM(engine_config)
+        try:
+            return asyncio.run(_serve(engine, config, sock, shutdown_timeout))
+        finally:
+            engine.shutdown()
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -56,28 +63,23 @@ def bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket,
-                 shutdown_timeout: float) -> int:
-    engine = AsyncLLM(engine_config)
-    try:
-        state = ServerState()
-        app = build_app(engine, config, state)
-        limits = config.limits
-        uvicorn_config = uvicorn.Config(
-            app, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
-            timeout_keep_alive=limits.timeout_keep_alive_s,
-            http=guarded_protocol(limits),
-        )
-        redact_access_log()
-        server = DrainingServer(uvicorn_config, state, shutdown_timeout)
-        engine.on_engine_dead(server.engine_died)
-        # The app, the tokenizer and the libraries live as long as the process: out of the cyclic
-        # GC's way, its collections walk only what requests allocate (~7 % of the API server's CPU
-        # under 64 streams went to walking them). vLLM's API server does the same.
-        freeze_startup_heap()
-        await server.serve(sockets=[sock])
-    finally:
-        engine.shutdown()
+async def _serve(engine: AsyncLLM, config: ServerConfig, sock: socket.socket, shutdown_timeout: float) -> int:
+    state = ServerState()
+    app = build_app(engine, config, state)
+    limits = config.limits
+    uvicorn_config = uvicorn.Config(
+        app, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
+        timeout_keep_alive=limits.timeout_keep_alive_s,
+        http=guarded_protocol(limits),
+    )
+    redact_access_log()
+    server = DrainingServer(uvicorn_config, state, shutdown_timeout)
+    engine.on_engine_dead(server.engine_died)
+    # The app, the tokenizer and the libraries live as long as the process: out of the cyclic
+    # GC's way, its collections walk only what requests allocate (~7 % of the API server's CPU
+    # under 64 streams went to walking them). vLLM's API server does the same.
+    freeze_startup_heap()
+    await server.serve(sockets=[sock])
     return 1 if state.dead_reason is not None else 0
 
 

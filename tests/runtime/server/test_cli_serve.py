@@ -119,6 +119,15 @@ def test_the_console_script_and_python_m_both_run_the_cli():
     assert result.returncode == 0 and "--served-model-name" in result.stdout
 
 
+def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback(capsys, monkeypatch, tiny_llama_dir):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "run_server", interrupted)
+    assert cli.main(["serve", str(tiny_llama_dir)]) == 130
+    assert capsys.readouterr().err == "kvpilot serve: interrupted\n"
+
+
 def test_make_serve_takes_another_port_and_host():
     # What the README tells a user whose port 8000 is taken; -n prints the command without running it.
     repo = Path(__file__).parents[3]
