@@ -62,6 +62,9 @@ def test_malformed_json_is_400(http):
     assert "JSON" in error["message"]
     assert_openai_error(http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
                         400)
+    assert_openai_error(http.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/json"}),
+                        400)
+
 
 @pytest.mark.parametrize("content, complaint", [
     (b'{"prompt": "\xff\xfe"}', "the request body is not valid UTF-8"),
