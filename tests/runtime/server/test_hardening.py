@@ -105,6 +105,14 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
     return True
 
 
+# Linux's tcp_info starts with the connection's state; TCP_CLOSE is what a reset leaves.
+TCP_CLOSE = 7
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
 def test_every_route_but_the_probes_needs_a_key(server):
     with httpx.Client(base_url=server.base_url, timeout=HTTP_TIMEOUT_S) as anonymous:
         for method, path, body in [("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
@@ -245,14 +253,6 @@ def test_a_client_that_never_reads_a_whole_response_is_dropped(server, connectio
                    what="the server to drop the connection")
     finally:
         sock.close()
-
-
-# Linux's tcp_info starts with the connection's state; TCP_CLOSE is what a reset leaves.
-TCP_CLOSE = 7
-
-
-def _tcp_state(sock: socket.socket) -> int:
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
 
 
 def test_half_open_and_idle_connections_are_closed_and_capped(server):
