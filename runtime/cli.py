@@ -250,7 +250,9 @@ _LIMIT_FLAGS = {
                          "close a connection whose request head has not arrived in this time"),
     "body_timeout_s": ("--body-timeout", "SECONDS",
                        "answer 408 to a request whose body has not fully arrived this long after its head"),
-    "max_connections": ("--max-connections", "N", "most open connections; more are closed at once"),
+    "max_connections": ("--max-connections", "N",
+                        "most open connections; a few more take one /health, /metrics or /version request each, "
+                        "and more are closed at once"),
 }
 
 

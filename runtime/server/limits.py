@@ -45,6 +45,7 @@ class ServerLimits:
     # A request whose body has not fully arrived this long after its head gets 408 (a slow POST).
     # The largest body allowed (4 MiB) takes 60 s at 560 kbit/s.
     body_timeout_s: float = 60.0
-    # Open connections; more are closed on arrival. Below a container's usual 1024 descriptors.
+    # Open connections; beyond them a few for the probes (connections.py), more are closed on arrival.
+    # Below a container's usual 1024 descriptors.
     max_connections: int = 512
 
