@@ -157,7 +157,7 @@ class AsyncLLM:
         # Outputs reach the loop only between awaits, so none can arrive before this.
         for index, request in enumerate(requests):
             self.output_processor.add_request(request_id, request.request_id, index, request.sampling_params,
-                                              len(prompt_token_ids), sink.put_nowait, tenant, params.n)
+                                              prompt_token_ids, sink.put_nowait, tenant, params.n)
         try:
             while unfinished:
                 item = await sink.get()

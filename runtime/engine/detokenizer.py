@@ -5,6 +5,12 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+# How much of the prompt's tail the stream decodes first, so that the first output token is
+# decoded as a continuation: a SentencePiece-style decoder drops the leading space of the first
+# token it sees (" Paris" would come out "Paris"), and one character's bytes may span several
+# byte-fallback tokens.
+PROMPT_CONTEXT_TOKENS = 4
+
 
 class IncrementalDetokenizer:
     """Turns token ids into text as they arrive, and finds stop strings in that text.
@@ -17,11 +23,15 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, prompt_token_ids: list[int] = ()) -> None:
         self._tokenizer = tokenizer
         # DecodeStream keeps the byte-level state, so a multi-byte character split across
         # tokens comes out whole, once.
         self._stream = DecodeStream(skip_special_tokens=True)
+        # Stepped through rather than passed as DecodeStream(ids=...), which returns the prompt's
+        # text with the first token when the prompt ends inside a character.
+        for token_id in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]:
+            self._stream.step(tokenizer, token_id)
         self._stop = [s for s in stop or [] if s]
         self._include_stop = include_stop_str_in_output
         self._holdback = max((len(s) for s in self._stop), default=1) - 1

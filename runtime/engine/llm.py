@@ -64,7 +64,7 @@ class LLM:
                                       p.for_choice(index), eos_token_id=self.eos_token_id, priority=prio,
                                       cache_salt=salt, max_model_len=self.config.scheduler.max_model_len)
                     self.output_processor.add_request(request_id, request.request_id, index,
-                                                      request.sampling_params, len(ids), streams[-1][index].append,
+                                                      request.sampling_params, ids, streams[-1][index].append,
                                                       num_choices=p.n)
                     self.engine.add_request(request)
             while self.output_processor.has_unfinished_requests():

@@ -167,11 +167,12 @@ class OutputProcessor:
         self.stat_loggers: list[StatLogger] = []
 
     def add_request(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
-                    num_prompt_tokens: int, sink: Sink, tenant: str | None = None, num_choices: int = 1) -> None:
+                    prompt_token_ids: list[int], sink: Sink, tenant: str | None = None, num_choices: int = 1) -> None:
         """Track choice `index` (of `num_choices`) of client request `request_id`, known to the engine
         as `engine_id`."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self.choices[engine_id] = ChoiceState(request_id, engine_id, index, params, num_prompt_tokens,
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                             prompt_token_ids)
+        self.choices[engine_id] = ChoiceState(request_id, engine_id, index, params, len(prompt_token_ids),
                                               detokenizer, sink, tenant, num_choices)
 
     def has_unfinished_requests(self) -> bool:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from kvpilot.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.runtime.engine.output_processor import OutputProcessor
+from kvpilot.runtime.outputs import EngineCoreOutput
+from kvpilot.runtime.request import SamplingParams
 
 TEXT = "Hello wörld, café! 日本 the quick brown fox jumps over the lazy dog."
 
@@ -82,3 +85,44 @@ def test_the_detokenizer_keeps_only_the_text_not_taken_yet(tokenizer):
         detokenizer.take_new_text(finished=False)
         kept.append(sum(len(value) for value in vars(detokenizer).values() if isinstance(value, str)))
     assert max(kept) <= len("never appears") + max(len(tokenizer.decode([t])) for t in ids)
+
+
+def _sentencepiece_style_tokenizer() -> Tokenizer:
+    """Llama 2's and Mistral's kind of decoder: "▁" marks a space, and the leading one of the text
+    decoded is dropped (a text never starts with the space its first word was encoded with)."""
+    words = ["the", "capital", "of", "France", "is", "Paris", "in", "spring"]
+    vocab = {"<unk>": 0, **{f"▁{word}": i for i, word in enumerate(words, 1)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tokenizer
+
+
+def test_the_first_output_token_is_decoded_after_the_prompt():
+    # A client appends the completion to its prompt: "... is" + " Paris", not "... is" + "Paris".
+    tokenizer = _sentencepiece_style_tokenizer()
+    prompt = tokenizer.encode("the capital of France is").ids
+    output = tokenizer.encode("Paris in spring").ids
+    pieces, _ = _stream(IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt), output)
+    assert "".join(pieces) == tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)):] == " Paris in spring"
+
+
+def test_a_prompt_tail_cut_inside_a_character_leaves_the_output_whole(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    # The prompt ends in the middle of "ö"'s bytes; the prompt's decode shows a replacement character.
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    pieces, _ = _stream(IncrementalDetokenizer(tokenizer, prompt_token_ids=ids[:cut]), ids[cut:])
+    assert "".join(pieces) == TEXT[len(tokenizer.decode(ids[:cut])) - 1:]
+    # A long prompt primes the same way: only its tail is decoded.
+    pieces, _ = _stream(IncrementalDetokenizer(tokenizer, prompt_token_ids=ids * 50 + ids[:cut]), ids[cut:])
+    assert "".join(pieces) == TEXT[len(tokenizer.decode(ids[:cut])) - 1:]
+
+
+def test_the_output_processor_decodes_each_choice_after_its_prompt():
+    tokenizer = _sentencepiece_style_tokenizer()
+    prompt = tokenizer.encode("the capital of France is").ids
+    processor, deltas = OutputProcessor(tokenizer), []
+    processor.add_request("r", "r-0", 0, SamplingParams(max_tokens=2), prompt, deltas.append)
+    processor.process_outputs([EngineCoreOutput("r-0", tokenizer.encode("Paris").ids)])
+    processor.process_outputs([EngineCoreOutput("r-0", tokenizer.encode("in").ids, finish_reason="length")])
+    assert [delta.text for delta in deltas] == [" Paris", " in"]

@@ -22,7 +22,7 @@ def _deliver(tokenizer, interval: int, params: SamplingParams):
     which steps returned the choice as stopped by a stop string."""
     processor = OutputProcessor(tokenizer, stream_interval=interval)
     deltas = []
-    processor.add_request("r", "r-0", 0, params, num_prompt_tokens=3, sink=deltas.append)
+    processor.add_request("r", "r-0", 0, params, prompt_token_ids=[1, 2, 3], sink=deltas.append)
     stopped_at = []
     last = len(TOKENS) - 1
     for step, token in enumerate(TOKENS):
