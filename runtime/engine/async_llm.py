@@ -151,7 +151,7 @@ class AsyncLLM:
 
         def overflowed() -> None:
             # Deferred: the output processor is in the middle of delivering this step.
-            asyncio.get_running_loop().call_soon(self._abort, list(unfinished), False)
+            asyncio.get_running_loop().call_soon(self._abort, list(unfinished))
         sink = OutputBuffer(max_buffered_outputs, overflowed)
         self.engine_core.add_requests(requests)
         # Outputs reach the loop only between awaits, so none can arrive before this.
@@ -168,15 +168,11 @@ class AsyncLLM:
                 yield item
         finally:
             if unfinished:
-                self._abort(unfinished, notify=False)
+                self._abort(unfinished)
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """Abort client requests by id (each of their choices), as if their clients went away."""
-        self._abort(self.output_processor.engine_ids_of(set(request_ids)), notify=True)
-
-    def _abort(self, engine_ids, notify: bool) -> None:
+    def _abort(self, engine_ids) -> None:
         engine_ids = list(engine_ids)
-        self.output_processor.abort(engine_ids, notify)
+        self.output_processor.abort(engine_ids)
         self.engine_core.abort_requests(engine_ids)
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:

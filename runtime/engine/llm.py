@@ -72,7 +72,7 @@ class LLM:
                 self.engine.abort_requests(self.output_processor.process_outputs(self.engine.step()))
         except BaseException:
             unfinished = list(self.output_processor.choices)
-            self.output_processor.abort(unfinished, notify=False)
+            self.output_processor.abort(unfinished)
             self.engine.abort_requests(unfinished)
             raise
         return [_request_output(prompt, ids, choices) for prompt, ids, choices in zip(prompts, token_ids, streams)]

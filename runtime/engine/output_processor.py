@@ -205,15 +205,12 @@ class OutputProcessor:
         for stat_logger in self.stat_loggers:
             stat_logger.record_engine_stats(stats)
 
-    def abort(self, engine_ids, notify: bool) -> None:
-        """Forget the choices as aborted; with notify, their consumers get a final "abort" delta."""
+    def abort(self, engine_ids) -> None:
+        """Forget the choices as aborted (their consumers are gone) and record them as such."""
         for engine_id in engine_ids:
             choice = self.choices.pop(engine_id, None)
-            if choice is None:
-                continue
-            if notify:
-                choice.sink(self._stream_output(choice, [], None, "abort", None))
-            self._record_finished(choice, "abort")
+            if choice is not None:
+                self._record_finished(choice, "abort")
 
     def fail_all(self, error: BaseException) -> None:
         for choice in self.choices.values():
