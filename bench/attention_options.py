@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels.cpu.build import load_source
 from kvpilot.kernels.cpu.paged_attention import bind
+from kvpilot.runtime.benchmarks.revisions import file_at
 from kvpilot.runtime.core.sched.output import NewRequestData
 from kvpilot.runtime.layers.attention import CpuPagedAttention, TorchPagedAttention
 from kvpilot.runtime.request import SamplingParams
@@ -183,8 +183,7 @@ def _time(options: dict, args_of, repeats: int, calls: int, flush=None) -> dict[
 def _kernel_at(revision: str):
     """The C kernel as it was at a git revision, compiled beside the current one (the baseline of
     a kernel change, side by side in this process)."""
-    source = subprocess.run(["git", "show", f"{revision}:kernels/cpu/paged_attention.c"], capture_output=True,
-                            text=True, check=True, cwd=Path(__file__).resolve().parent).stdout
+    source = file_at(revision, "kernels/cpu/paged_attention.c")
     folder = Path(tempfile.mkdtemp(prefix="kvpilot-kernel-"))
     (folder / "paged_attention.c").write_text(source)
     # Through the backend, as the kept kernel is timed: the same wrapper and (empty) cache write.

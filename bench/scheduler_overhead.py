@@ -23,15 +23,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 import msgspec
 
-REPO = Path(__file__).resolve().parents[1]
 # main before issue 11's scheduler work: the issue's 4.7 us @256 and 6.8 us @1024 were measured on it.
 DEFAULT_BASELINE = "bb345a35f0a2baf7bf102cca2128ac2b1264cbb2"
 PROMPT_LEN = 100
@@ -122,35 +119,12 @@ def measure(num_running: int, num_steps: int) -> dict[str, float | str]:
     return {"wall": wall / per, "cpu": cpu / per, "encode_cpu": encode_cpu / per, "frozen": frozen}
 
 
-def _baseline_tree(rev: str, folder: Path) -> Path:
-    """The revision's runtime/ as an importable kvpilot.runtime under `folder`."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "runtime"],
-                             check=True, capture_output=True).stdout
-    target = folder / "kvpilot"
-    target.mkdir()
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(target, filter="data")
-    return folder
-
-
-def _run_side(pythonpath: Path | None, running: list[int], steps: int) -> dict[int, dict]:
-    env = dict(os.environ)
-    if pythonpath is not None:
-        # Ahead of the editable install, so the baseline's kvpilot.runtime wins.
-        env["PYTHONPATH"] = str(pythonpath)
+def _run_side(env: dict[str, str] | None, running: list[int], steps: int) -> dict[int, dict]:
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from scheduler_overhead import measure; "
             "print(json.dumps({n: measure(n, int(sys.argv[2])) for n in map(int, sys.argv[3:])}))")
     result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(steps), *map(str, running)],
                             env=env, check=True, capture_output=True, text=True)
     return {int(n): s for n, s in json.loads(result.stdout).items()}
-
-
-def _check_side(pythonpath: Path | None, expected: Path) -> None:
-    code = "import kvpilot.runtime.core.sched.scheduler as s; print(s.__file__)"
-    env = dict(os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {}))
-    where = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
-    if not Path(where.stdout.strip()).resolve().is_relative_to(expected.resolve()):
-        raise RuntimeError(f"the side meant to run {expected} imported {where.stdout.strip()}")
 
 
 def main() -> None:
@@ -160,11 +134,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    # Not at the top: each side's process imports this module, the baseline's with a kvpilot.runtime
+    # that may predate the helper.
+    from kvpilot.runtime.benchmarks.revisions import REPO, baseline_env, check_imports_from, source_tree
 
     with tempfile.TemporaryDirectory(prefix="kvpilot-sched-baseline-") as tmp:
-        baseline = _baseline_tree(args.baseline, Path(tmp))
-        _check_side(baseline, baseline)
-        _check_side(None, REPO)
+        scheduler = "kvpilot.runtime.core.sched.scheduler"
+        baseline = baseline_env(source_tree(args.baseline, ("runtime",), Path(tmp)), scheduler)
+        check_imports_from(scheduler, REPO)
         sides = {"this tree": None, "baseline": baseline}
         runs: dict[str, list[dict[int, dict]]] = {side: [] for side in sides}
         for repeat in range(args.repeats):

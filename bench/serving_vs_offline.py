@@ -31,7 +31,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.benchmarks.local_server import local_server
+from kvpilot.runtime.benchmarks.revisions import baseline_env, source_tree
 from kvpilot.runtime.tiny_model import make_tiny_model
 
 DONE = b"data: [DONE]"
@@ -148,21 +148,6 @@ class HTTPSide:
         self.client_cpu.append(client / tokens)
 
 
-def _source_tree(revision: str) -> str:
-    """A folder to put first on PYTHONPATH so that `kvpilot.runtime` (and `kvpilot.kernels`) import
-    from `revision` of this repository: its files, extracted with git archive."""
-    root = tempfile.mkdtemp(prefix="kvpilot-baseline-")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    archive = subprocess.run(["git", "-C", repo, "archive", revision, "runtime", "kernels"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
-    # The repository maps runtime/ to kvpilot.runtime (pyproject.toml): the same map, as folders.
-    os.makedirs(os.path.join(root, "kvpilot"))
-    for name in ("runtime", "kernels"):
-        os.symlink(os.path.join(root, name), os.path.join(root, "kvpilot", name))
-    return root
-
-
 def _us(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e6:.0f}"
 
@@ -171,7 +156,7 @@ def _rates(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} tok/s (min {min(values):.0f})"
 
 
-def _measure(args, model_dir: str, threads: int, baseline_tree: str | None, rng: random.Random) -> None:
+def _measure(args, model_dir: str, threads: int, baseline_pythonpath: str | None, rng: random.Random) -> None:
     torch.set_num_threads(threads)
     llm = LLM(model_dir)
     vocab = llm.config.model.vocab_size
@@ -185,10 +170,9 @@ def _measure(args, model_dir: str, threads: int, baseline_tree: str | None, rng:
     env = {"OMP_NUM_THREADS": str(threads)}
     with contextlib.ExitStack() as servers:
         sides = [HTTPSide("this tree", servers.enter_context(local_server(model_dir, *flags, env=env)))]
-        if baseline_tree is not None:
-            pythonpath = os.pathsep.join(filter(None, [baseline_tree, os.environ.get("PYTHONPATH")]))
+        if baseline_pythonpath is not None:
             sides.append(HTTPSide(f"baseline {args.baseline}", servers.enter_context(
-                local_server(model_dir, *flags, env={**env, "PYTHONPATH": pythonpath}))))
+                local_server(model_dir, *flags, env={**env, "PYTHONPATH": baseline_pythonpath}))))
         warm = new_prompts()[:2]
         _offline(llm, warm, 4)
         for side in sides:
@@ -231,7 +215,7 @@ def main() -> None:
     model_dir = args.model or str(make_tiny_model(
         tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=2048))
-    baseline_tree = None if args.baseline is None else _source_tree(args.baseline)
+    baseline_pythonpath = None if args.baseline is None else baseline_env(source_tree(args.baseline))["PYTHONPATH"]
     load = os.getloadavg()
     print(f"model: {model_dir}; {args.repetitions} interleaved repetitions; serve flags: "
           f"{' '.join(args.serve_flag) or 'none'}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
@@ -242,7 +226,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     rng = random.Random(0)
     for threads in map(int, args.threads.split(",")):
-        _measure(args, model_dir, threads, baseline_tree, rng)
+        _measure(args, model_dir, threads, baseline_pythonpath, rng)
 
 
 if __name__ == "__main__":

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 
 from kvpilot.operator.sim import fleet, profile, report, strategies, trace
+from kvpilot.runtime.benchmarks.revisions import file_at
 
-ROOT = Path(__file__).resolve().parents[1]
 # The simulator before its array core (one heap of per-replica step events).
 BASELINE = "d059f54"
 # `minute`: the suite's smoke run.
@@ -59,7 +57,7 @@ def simulator(rev: str | None) -> types.ModuleType:
         return fleet
     loaded: dict[str, types.ModuleType] = {}
     for name in ("replica", "fleet"):
-        source = subprocess.check_output(["git", "show", f"{rev}:operator/sim/{name}.py"], text=True, cwd=ROOT)
+        source = file_at(rev, f"operator/sim/{name}.py")
         module = types.ModuleType(f"sim_{name}_{rev}")
         sys.modules[module.__name__] = module  # dataclasses look their module up
         exec(compile(source, f"{rev}:operator/sim/{name}.py", "exec"), module.__dict__)
