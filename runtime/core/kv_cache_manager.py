@@ -1,4 +1,12 @@
-"""The scheduler's only view of KV memory: per-request block lists on top of the block pool."""
+"""The scheduler's only view of KV memory: per-request block lists on top of the block pool.
+
+A request's blocks hold its tokens in order, `block_size` per block. Admitting a request is a
+lookup then a claim: `get_computed_blocks` finds the longest run of its full blocks whose hashes
+are cached, and `allocate_slots` takes those hits plus fresh blocks for the tokens to compute,
+or nothing at all when they do not fit (the scheduler then preempts or stops admitting). Full
+blocks are published to the hash map as soon as they are scheduled. `free` gives every block
+back, tail first, and unpublishes any block the request never got to compute.
+"""
 
 from __future__ import annotations
 

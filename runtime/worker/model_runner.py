@@ -1,4 +1,13 @@
-"""The model runner: applies a SchedulerOutput to the persistent batch, runs the model, samples."""
+"""The model runner: applies a SchedulerOutput to the persistent batch, runs the model, samples.
+
+One `execute_model` call is one step: drop the rows of finished and preempted requests, add the
+new (or resumed) ones and the blocks others gained, condense; flatten the scheduled tokens into
+the step buffers (StepInputs); run the model (a pure-decode step padded to a captured size, and
+replayed as a CUDA graph where one exists); then sample the requests whose every token is now
+computed (a partial prefill chunk samples nothing). The sampled tokens are appended to the batch
+as well as returned, so that under async scheduling the next step, scheduled before the tokens
+reach the scheduler, already feeds them to the model.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,25 @@
-"""The unified token-budget scheduler: each step maps requests to token counts, with no phases."""
+"""The unified token-budget scheduler: each step maps requests to token counts, with no phases.
+
+A request only has tokens computed (`num_computed_tokens`) and tokens not yet computed; a prompt
+chunk and a decode token are the same kind of work. `schedule()` hands out one step's budget of
+`max_num_batched_tokens`:
+
+1. Running requests first, in admission order: each gets what it has left, capped by
+   `long_prefill_token_threshold` and the budget. When the KV-cache manager has no room for
+   it, a victim (the last admitted, or under `priority` the largest (priority, arrival)) is
+   preempted by recompute: its blocks are freed and it waits again, at the head of an FCFS
+   queue or in its place by (priority, arrival) in a priority queue.
+2. Then, unless this step preempted, waiting requests in queue order, each starting after its
+   longest prefix-cache hit, until the budget, `max_num_seqs` or the blocks run out. The head
+   that does not fit stops admission, so a long request is never starved by shorter ones (one
+   whose grammar is still compiling is passed over, keeping its place).
+
+`update_from_output()` appends the sampled tokens and runs the stop checks (min_tokens, EOS and
+stop token ids, then max_tokens; and a complete grammar); `finish_requests()` ends requests from
+outside (aborts, stop strings). Each finished id reaches the runner in the next SchedulerOutput.
+Under async scheduling a step is scheduled before the previous one's tokens are known: a request
+whose step will sample counts a placeholder for that token until it arrives.
+"""
 
 from __future__ import annotations
 
