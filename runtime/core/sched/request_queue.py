@@ -96,7 +96,8 @@ class PriorityRequestQueue(RequestQueue):
 
     def __init__(self) -> None:
         # The heap holds keys only, so a removed request's key can linger there (lazy
-        # deletion) and is dropped when it reaches the top; `_requests` says what is live.
+        # deletion) and is dropped when it reaches the top; `_requests` says what is live. A
+        # key is live only while it is its request's own: an id can come back with a new key.
         self._heap: list[PriorityKey] = []
         self._requests: dict[str, Request] = {}
 
@@ -128,8 +129,12 @@ class PriorityRequestQueue(RequestQueue):
             heapq.heapify(self._heap)
 
     def _drop_removed_head(self) -> None:
-        while self._heap and self._heap[0][2] not in self._requests:
+        while self._heap and not self._is_live(self._heap[0]):
             heapq.heappop(self._heap)
+
+    def _is_live(self, key: PriorityKey) -> bool:
+        request = self._requests.get(key[2])
+        return request is not None and priority_key(request) == key
 
     def __len__(self) -> int:
         return len(self._requests)

@@ -264,6 +264,21 @@ def test_priority_queue_lazy_deletion_survives_many_removals():
     assert [queue.pop_request() for _ in range(len(kept))] == expected
 
 
+def test_priority_queue_a_reused_request_id_waits_in_its_own_place():
+    # An aborted request's key lingers in the heap; a later request with the same id (an id is
+    # free again once its request finished) must not take that key's place in the order.
+    queue = PriorityRequestQueue()
+    aborted, other = make_request("a", priority=5), make_request("b", priority=7)
+    queue.add_request(aborted)
+    queue.add_request(other)
+    queue.remove_request(aborted)
+    reused = make_request("a", priority=9)
+    queue.add_request(reused)
+    assert queue.peek_request() is other
+    assert [queue.pop_request() for _ in range(2)] == [other, reused]
+    assert not queue
+
+
 def test_create_request_queue_names_an_unknown_policy():
     assert isinstance(create_request_queue("fcfs"), FCFSRequestQueue)
     assert isinstance(create_request_queue("priority"), PriorityRequestQueue)
