@@ -93,7 +93,8 @@ class Sampler(torch.nn.Module):
         if metadata.all_random:
             sampled = _sample_random(logits, metadata, generator, self._argmax)
         else:
-            # Argmax of the raw logits, so greedy decoding matches transformers token for token.
+            # Greedy rows: the argmax of the logits as adjusted, with no temperature or filter in
+            # between, so that greedy decoding matches transformers token for token.
             sampled = self._argmax(logits)
             if not metadata.all_greedy:
                 is_greedy = metadata.temperature < GREEDY_TEMPERATURE
