@@ -63,8 +63,9 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        # Written so that NaN, which fails every comparison, fails it too.
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite non-negative number, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -71,6 +71,9 @@ def test_max_model_len_caps_output(llm):
     [
         (lambda: SamplingParams(max_tokens=0), "max_tokens"),
         (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        # NaN compares false with everything: it would have passed a `< 0` check, then sampled garbage.
+        (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: SamplingParams(temperature=float("inf")), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
         (lambda: SamplingParams(top_k=-2), "top_k"),
