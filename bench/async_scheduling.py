@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
 
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.tiny_model import make_tiny_model
+from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
 
 
 def _count_steps(llm: LLM) -> list[int]:
@@ -37,7 +36,7 @@ def _count_steps(llm: LLM) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
+    parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -46,9 +45,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(make_tiny_model(
-        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=2048))
+    model_dir = args.model or bench_model_dir()
 
     engines = {mode: LLM(model_dir, async_scheduling=mode == "async", tensor_parallel_size=args.tensor_parallel_size)
                for mode in ("sync", "async")}

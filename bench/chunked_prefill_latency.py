@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
 
 import torch
 
+from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
 from kvpilot.runtime.config import EngineArgs, SchedulerConfig
 from kvpilot.runtime.engine.core import EngineCore
 from kvpilot.runtime.request import Request, SamplingParams
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 # (max_num_batched_tokens, long_prefill_token_threshold); the first is the baseline of the ratios.
 DEFAULT_SETTINGS = [(2048, 0), (2048, 512), (2048, 256), (1024, 0), (512, 0), (256, 0)]
@@ -82,7 +81,7 @@ def _run(core: EngineCore, rng: random.Random, vocab: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
+    parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
     parser.add_argument("--num-decoding", type=int, default=16)
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--long-prompt-len", type=int, default=2000)
@@ -100,9 +99,7 @@ def main() -> None:
         parser.error("--clock cpu needs --threads 1: other threads' work would not be counted")
     torch.set_num_threads(args.threads)
     settings = [tuple(int(x) for x in pair.split(":")) for pair in args.settings.split(",")]
-    model_dir = args.model or str(make_tiny_model(
-        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=2048))
+    model_dir = args.model or bench_model_dir()
 
     cores = {}
     for budget, threshold in settings:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,9 +28,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
 from kvpilot.runtime.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from kvpilot.runtime.request import Request
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 
 def _timed(fn):
@@ -189,9 +188,7 @@ def main() -> None:
         # Imported here: only the default run fetches the real model.
         from kvpilot.runtime.models.default_model import ensure_default_model
 
-        bench_model = make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256,
-                                      num_heads=8, num_kv_heads=2, vocab_size=2048)
-        models = [str(bench_model), str(ensure_default_model())]
+        models = [bench_model_dir(), str(ensure_default_model())]
 
     print(f"torch threads: {torch.get_num_threads()}; float32; {args.repeats} interleaved runs per side "
           f"({args.decode_steps} for the decode step)")

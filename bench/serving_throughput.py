@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 
 import httpx
 
+from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
 from kvpilot.runtime.benchmarks.local_server import local_server
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
@@ -48,13 +47,11 @@ async def _measure(base_url: str, prompts: list[str], max_tokens: int, concurren
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
+    parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    model_dir = args.model or str(make_tiny_model(
-        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=2048))
+    model_dir = args.model or bench_model_dir()
     with local_server(model_dir, "--served-model-name", "bench") as base_url:
         prompts = [f"Request {i}: the morning train to the coast was late again, so" for i in range(args.num_requests)]
         sequential = asyncio.run(_measure(base_url, prompts, args.max_tokens, concurrent=False))

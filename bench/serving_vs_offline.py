@@ -31,7 +31,6 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -39,9 +38,9 @@ from urllib.parse import urlsplit
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
 from kvpilot.runtime.benchmarks.local_server import local_server
 from kvpilot.runtime.benchmarks.revisions import baseline_env, source_tree
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 DONE = b"data: [DONE]"
 USAGE = b'"usage":{"prompt_tokens":'
@@ -199,7 +198,7 @@ def _measure(args, model_dir: str, threads: int, baseline_pythonpath: str | None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
+    parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
     parser.add_argument("--num-streams", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -212,9 +211,7 @@ def main() -> None:
     parser.add_argument("--serve-flag", action="append", default=[],
                         help="an extra `kvpilot serve` flag for the HTTP side only (repeatable), e.g. --serve-flag=--stream-interval=4")
     args = parser.parse_args()
-    model_dir = args.model or str(make_tiny_model(
-        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=2048))
+    model_dir = args.model or bench_model_dir()
     baseline_pythonpath = None if args.baseline is None else baseline_env(source_tree(args.baseline))["PYTHONPATH"]
     load = os.getloadavg()
     print(f"model: {model_dir}; {args.repetitions} interleaved repetitions; serve flags: "

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 
 import httpx
@@ -36,8 +35,8 @@ import psutil
 import torch
 
 from kvpilot.operator.sim import calibrate, fleet, report, strategies, trace
+from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
 from kvpilot.runtime.benchmarks.local_server import local_server
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 SAMPLE_SECONDS = 0.25
 
@@ -172,7 +171,7 @@ def _burst(count: int, prompt_tokens: int, output_tokens: int, seed: int) -> tra
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a 4-layer, hidden-256 tiny llama)")
+    parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
     parser.add_argument("--levels", default="0.5,0.8,1.2",
                         help="Poisson loads, as shares of the capacity the real engine shows on the burst")
     parser.add_argument("--burst", type=int, default=64, help="requests in the capacity burst")
@@ -192,9 +191,7 @@ def main() -> None:
     levels = [float(level) for level in args.levels.split(",")]
     if args.short:
         levels, args.burst, args.duration, args.prompt_tokens, args.output_tokens = [0.5], 4, 2.0, 16, 8
-    model_dir = args.model or str(make_tiny_model(
-        tempfile.mkdtemp(prefix="kvpilot-bench-"), num_layers=4, hidden_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=2048))
+    model_dir = args.model or bench_model_dir()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     grid = ([1, 4], [16], 4) if args.short else ([1, 4, 16, 32], [32, 128, 512], 16)
