@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# While idle, how often the loop checks that the API-server process is still its parent.
-IDLE_POLL_SECONDS = 1.0
-
 _DECODERS = {
     RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     RequestType.ABORT: msgspec.msgpack.Decoder(AbortRequests),
@@ -122,7 +119,6 @@ class _EngineLoop:
         self.core = core
         self.outputs = outputs
         self.inputs: queue.Queue[tuple[RequestType, object]] = queue.Queue()
-        self.parent_pid = os.getppid()
         self.running = True
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
@@ -165,13 +161,10 @@ class _EngineLoop:
                 self.outputs.put(EngineCoreOutputs(outputs=step_outputs, stats=self.core.get_stats()))
 
     def _drain_inputs(self, block: bool) -> None:
-        try:
-            item = self.inputs.get(timeout=IDLE_POLL_SECONDS) if block else self.inputs.get_nowait()
-        except queue.Empty:
-            if block and os.getppid() != self.parent_pid:
-                raise RuntimeError("the API-server process is gone") from None
-            return
-        self._handle(*item)
+        """Handle every input that has arrived; with `block` (idle), wait for one first. An idle
+        engine need not wake to look for its API server: the parent watch ends the process."""
+        if block:
+            self._handle(*self.inputs.get())
         while not self.inputs.empty():
             self._handle(*self.inputs.get_nowait())
 

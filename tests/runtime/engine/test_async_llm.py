@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -277,3 +279,40 @@ def test_outputs_after_the_loop_closed_are_dropped_quietly(tiny_llama_dir, monke
     finally:
         engine.shutdown()
     assert raised == []
+
+
+_FRONTEND = """
+import sys, time
+from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.engine.core_client import EngineCoreClient
+client = EngineCoreClient(EngineArgs(model=sys.argv[1]).create_engine_config(), lambda m: None, lambda r: None)
+print(client._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_idle_engine_exits_when_its_frontend_is_killed(tiny_llama_dir):
+    # SIGKILL runs no cleanup in the frontend: the engine, waiting for input, must notice alone.
+    frontend = subprocess.Popen([sys.executable, "-c", _FRONTEND, str(tiny_llama_dir)], stdout=subprocess.PIPE, text=True)
+    engine_pid = None
+    try:
+        engine_pid = int(frontend.stdout.readline())
+        os.kill(frontend.pid, signal.SIGKILL)
+        frontend.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _is_running(engine_pid):
+            time.sleep(0.1)
+        assert not _is_running(engine_pid), "the engine outlived its frontend"
+    finally:
+        frontend.kill()
+        frontend.wait()
+        if engine_pid is not None and _is_running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
