@@ -50,6 +50,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Finished or aborted since the last schedule(): the runner drops their rows.
         self._finished_req_ids: list[str] = []
+        # Ids of requests that ended with tokens still in flight (async scheduling), with how many:
+        # those tokens are not theirs, nor those of a new request that takes the id meanwhile.
+        self._tokens_in_flight_for_ended: dict[str, int] = {}
         self.num_preemptions = 0
 
     @property
@@ -241,6 +244,7 @@ class Scheduler:
         all_sampled = mro.sampled_token_ids
         all_logprobs = mro.logprobs
         all_prompt_logprobs = mro.prompt_logprobs
+        ended = self._tokens_in_flight_for_ended
         # This loop runs for every request every step: Request.append_output_token_id and the
         # no-stop-possible case of _check_stop are inlined.
         for index, req_id in enumerate(mro.req_ids):
@@ -249,8 +253,11 @@ class Scheduler:
             # A prefill chunk that samples nothing changes nothing here.
             if not sampled and prompt_logprobs is None:
                 continue
+            if ended and sampled and req_id in ended:
+                self._drop_token_in_flight(req_id)
+                continue
             request = requests.get(req_id)
-            # Finished or aborted after the step was scheduled: whatever it sampled is not its own.
+            # Ended after the step was scheduled, in a prefill chunk (prompt logprobs, no token).
             if request is None:
                 continue
             # The runner's list is ours now: it is the output unless a stop cuts it short.
@@ -330,3 +337,10 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+        if request.num_output_placeholders:
+            self._tokens_in_flight_for_ended[request.request_id] = request.num_output_placeholders
+
+    def _drop_token_in_flight(self, req_id: str) -> None:
+        left = self._tokens_in_flight_for_ended.pop(req_id) - 1
+        if left:
+            self._tokens_in_flight_for_ended[req_id] = left

@@ -677,6 +677,23 @@ def test_async_drops_the_token_sampled_after_a_request_finished():
     assert h.kv.num_free_blocks == h.full
 
 
+def test_async_a_reused_request_id_never_gets_the_token_sampled_for_its_old_request():
+    h = AsyncHarness()
+    h.add(make_request("a", 4, max_tokens=10, eos_token_id=EOS))
+    h.runner.scripts["a"] = [EOS, 5]
+    h.step_until(lambda out: "a" not in h.sched.requests)
+    # The step after the EOS is in flight: its token (5) was sampled for the request that ended.
+    assert h.in_flight and "a" in h.in_flight[0][0].num_scheduled_tokens
+    assert h.tokens("a") == [EOS] and not h.runner.scripts["a"]
+    # The id is free again, and a new request takes it before that step's output is applied.
+    h.outputs.pop("a")
+    h.add(make_request("a", 3, max_tokens=3))
+    h.runner.scripts["a"] = [21, 22, 23]
+    h.run()
+    assert h.tokens("a") == [21, 22, 23] and h.finish_reason("a") == "length"
+    assert h.kv.num_free_blocks == h.full and not h.runner.rows
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 5])
 def test_async_never_schedules_past_max_tokens(max_tokens):
     runs = {}
