@@ -146,6 +146,30 @@ def test_an_abort_while_its_step_is_in_flight(tiny_llama_dir):
     assert tokens(aborted["b"]) == tokens(full["b"]) and aborted["b"][-1].finish_reason == "length"
 
 
+def test_an_id_taken_again_while_its_old_request_has_a_step_in_flight(tiny_llama_dir):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def tokens_of(engine: EngineCore, req_id: str) -> list[int]:
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for output in engine.step() if output.request_id == req_id for t in output.new_token_ids]
+        return tokens
+
+    engine = _engine(str(tiny_llama_dir), async_scheduling=True, max_model_len=128)
+    try:
+        engine.add_request(Request("a", [5, 6, 7], params, max_model_len=128))
+        for _ in range(3):
+            engine.step()
+        assert engine._in_flight and "a" in engine._in_flight[0][0].num_scheduled_tokens
+        engine.abort_requests(["a"])
+        engine.add_request(Request("a", [50, 51, 52, 53], params, max_model_len=128))
+        reused = tokens_of(engine, "a")
+        engine.add_request(Request("fresh", [50, 51, 52, 53], params, max_model_len=128))
+        assert reused == tokens_of(engine, "fresh") and len(reused) == 6
+    finally:
+        engine.shutdown()
+
+
 def test_async_scheduling_is_a_serve_flag():
     from kvpilot.runtime.cli import build_parser
 
