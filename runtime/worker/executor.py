@@ -148,11 +148,12 @@ class MultiprocExecutor:
                         self._fail(RuntimeError(f"TP worker {rank} failed: {reply.error}"))
                     replies[rank] = reply
                 elif not self._workers[rank].is_alive():
-                    self._fail(None)
+                    self._fail(WorkerDiedError(f"TP worker {rank} exited in the middle of a call"))
         return [replies[rank] for rank in range(self.world_size)]
 
-    def _fail(self, error: RuntimeError | None) -> None:
-        """Stop every worker and raise; a dead rank explains its peers' failed collectives."""
+    def _fail(self, error: RuntimeError) -> None:
+        """Stop every worker and raise: the first dead rank's exit code if one died (it explains its
+        peers' failed collectives), else `error`."""
         # A killed worker's sockets close a moment before its exit status can be collected:
         # wait for the exits that are under way, then read their codes.
         exiting = set(wait([worker.sentinel for worker in self._workers], timeout=1.0))
