@@ -128,16 +128,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(hidden)
 
     def load_weights(self, weights) -> None:
-        """Load (name, full tensor) pairs in Hugging Face naming; each layer keeps its own shard."""
+        """Load (name, full tensor) pairs in Hugging Face naming; each layer keeps its own shard.
+        ValueError naming the weights the model has and the checkpoint lacks."""
+        # Checkpoint weights loaded, by this model's path to them before fusing (q_proj, not qkv_proj):
+        # a fused layer is whole only once each of its parts is.
         loaded = set()
         for hf_name, tensor in weights:
             target = _PARAMETER_ROUTES.get(hf_name.rsplit(".", 2)[-2], None)
             module_path, param_name = hf_name.rsplit(".", 1)
+            module_path = module_path.removeprefix("model.")
+            loaded.add(f"{module_path}.{param_name}")
             index = 0
             if target is not None:
                 fused_name, index = target
                 module_path = module_path.rsplit(".", 1)[0] + "." + fused_name
-            module_path = module_path.removeprefix("model.")
             if module_path == "lm_head" and self.config.tie_word_embeddings:
                 continue
             try:
@@ -145,11 +149,22 @@ class LlamaForCausalLM(nn.Module):
             except AttributeError:
                 raise ValueError(f"checkpoint has a weight this model does not: {hf_name}") from None
             module.load(param_name, tensor.to(self.config.torch_dtype), index)
-            loaded.add(f"{module_path}.{param_name}")
-        expected = {name for name, _ in self.named_parameters(remove_duplicate=True)}
-        missing = expected - loaded
+        missing = [name if name.startswith("lm_head.") else f"model.{name}"
+                   for name in self._unfused_parameter_names() if name not in loaded]
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+    def _unfused_parameter_names(self) -> list[str]:
+        """Every parameter's name, a fused layer's parameter once per part it is loaded from."""
+        names = []
+        for name, _ in self.named_parameters(remove_duplicate=True):
+            module_path, param_name = name.rsplit(".", 1)
+            parent, _, layer = module_path.rpartition(".")
+            if layer in _FUSED_PARTS:
+                names += [f"{parent}.{part}.{param_name}" for part in _FUSED_PARTS[layer]]
+            else:
+                names.append(name)
+        return names
 
 
 # Checkpoint matrices that live inside a fused layer: name -> (fused layer, index of the part).
@@ -160,3 +175,6 @@ _PARAMETER_ROUTES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Fused layer -> the checkpoint matrices it is made of, in order.
+_FUSED_PARTS = {fused: [part for part, (name, _) in _PARAMETER_ROUTES.items() if name == fused]
+                for fused, _ in _PARAMETER_ROUTES.values()}
