@@ -133,10 +133,18 @@ class LlamaForCausalLM(nn.Module):
         # Checkpoint weights loaded, by this model's path to them before fusing (q_proj, not qkv_proj):
         # a fused layer is whole only once each of its parts is.
         loaded = set()
+        shapes = _checkpoint_shapes(self.config)
         for hf_name, tensor in weights:
             target = _PARAMETER_ROUTES.get(hf_name.rsplit(".", 2)[-2], None)
             module_path, param_name = hf_name.rsplit(".", 1)
             module_path = module_path.removeprefix("model.")
+            # The layers cut their shard out of what they are given: a tensor of the wrong size
+            # would load in part, or load too much, without a word.
+            shape = shapes.get(module_path.rsplit(".", 1)[-1])
+            expected = shape if shape is None or param_name == "weight" else shape[:1]
+            if expected is not None and tuple(tensor.shape) != expected:
+                raise ValueError(f"checkpoint weight {hf_name} has shape {tuple(tensor.shape)}, where the "
+                                 f"model's config implies {expected}")
             loaded.add(f"{module_path}.{param_name}")
             index = 0
             if target is not None:
@@ -165,6 +173,17 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.append(name)
         return names
+
+
+def _checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each checkpoint layer's full weight shape (before any TP split), by the layer's name; its bias
+    has the first dimension."""
+    hidden, intermediate, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "q_proj": (q, hidden),
+            "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q), "gate_proj": (intermediate, hidden),
+            "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate), "input_layernorm": (hidden,),
+            "post_attention_layernorm": (hidden,), "norm": (hidden,)}
 
 
 # Checkpoint matrices that live inside a fused layer: name -> (fused layer, index of the part).
