@@ -13,8 +13,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     if scaling is None:
         return inv_freq
     rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        # Positions divided by the factor, which is every frequency divided by it.
+        return inv_freq / scaling["factor"]
     if rope_type != "llama3":
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: llama3)")
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: linear, llama3)")
     return _llama3_scaled(inv_freq, scaling)
 
 

@@ -6,6 +6,9 @@ of prompts of mixed lengths decoded together.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -117,6 +120,20 @@ def test_llama3_rope_scaling_matches_transformers(tiny_llama3_rope_dir):
     oracle = HFOracle(str(tiny_llama3_rope_dir))
     llm = LLM(str(tiny_llama3_rope_dir), block_size=8)
     # Long enough to reach positions where the scaled frequencies differ from plain RoPE.
+    prompts = random_prompts([300, 7], llm.config.model.vocab_size, seed=6)
+    _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
+
+
+def test_linear_rope_scaling_matches_transformers(tiny_llama_dir, tmp_path):
+    # How transformers 5 writes a linear-scaled checkpoint's rotary settings (and a GGUF file's
+    # rope.scaling.type "linear" becomes).
+    folder = tmp_path / "linear-rope"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    oracle = HFOracle(str(folder))
+    llm = LLM(str(folder), block_size=8)
     prompts = random_prompts([300, 7], llm.config.model.vocab_size, seed=6)
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
 
