@@ -118,6 +118,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: list[int]
+    # The span each token attends over, where the checkpoint restricts it (Mistral 7B v0.1: 4096).
+    # The engine attends over the whole context, which is the same attention only up to it.
+    sliding_window: int | None = None
 
     @property
     def torch_dtype(self):
@@ -150,6 +153,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v bias; Llama and Mistral say so in `attention_bias`.
         attention_bias = architecture == "Qwen2ForCausalLM" or hf.get("attention_bias", False)
         rope_parameters = hf.get("rope_parameters") or {}
+        # Qwen2's configs carry a window they do not use unless use_sliding_window says so.
+        uses_window = architecture != "Qwen2ForCausalLM" or hf.get("use_sliding_window", False)
         return cls(
             path=str(path),
             architecture=architecture,
@@ -167,6 +172,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=bool(attention_bias),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            sliding_window=hf.get("sliding_window") if uses_window else None,
             **settings,
         )
 
@@ -308,11 +314,15 @@ class _EngineArgsMethods:
             groups[s.group][s.field_name] = s.check(getattr(self, s.arg))
         model = ModelConfig.from_pretrained(self.model, **groups["model"])
         scheduler = SchedulerConfig(**groups["scheduler"])
-        scheduler.max_model_len = scheduler.max_model_len or model.max_position_embeddings
+        scheduler.max_model_len = scheduler.max_model_len or min(
+            model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
         # Rotary tables stop at the model's own limit; positions beyond it have no embedding.
         _require(scheduler.max_model_len <= model.max_position_embeddings, "max_model_len",
                  f"{scheduler.max_model_len} exceeds the model's max_position_embeddings "
                  f"({model.max_position_embeddings})")
+        _require(model.sliding_window is None or scheduler.max_model_len <= model.sliding_window, "max_model_len",
+                 f"{scheduler.max_model_len} exceeds the model's sliding_window ({model.sliding_window}): kvpilot "
+                 "attends over the whole context, which is the window's attention only within the window")
         parallel = ParallelConfig(**groups["parallel"])
         _check_tensor_parallel(model, parallel.tensor_parallel_size)
         return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]), scheduler=scheduler,

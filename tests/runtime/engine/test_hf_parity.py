@@ -138,6 +138,20 @@ def test_linear_rope_scaling_matches_transformers(tiny_llama_dir, tmp_path):
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
 
 
+def test_a_sliding_window_checkpoint_matches_transformers_within_its_window(tiny_llama_dir, tmp_path):
+    # Mistral's architecture with a window: transformers masks past it; the engine, which attends over
+    # the whole context, caps max_model_len at the window, where both attentions are the same.
+    folder = tmp_path / "mistral"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=48)
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder), block_size=8)
+    assert llm.config.scheduler.max_model_len == 48
+    prompts = random_prompts([48 - NEW_TOKENS, 5], llm.config.model.vocab_size, seed=8)
+    _assert_matches_oracle(HFOracle(str(folder)), prompts, llm.generate(prompts, _greedy()))
+
+
 def test_logprobs_close_to_transformers(checkpoint):
     model_dir, oracle = checkpoint
     llm = LLM(model_dir, max_num_batched_tokens=32)
