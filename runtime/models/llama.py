@@ -155,7 +155,10 @@ class LlamaForCausalLM(nn.Module):
             try:
                 module = self.get_submodule(module_path)
             except AttributeError:
-                raise ValueError(f"checkpoint has a weight this model does not: {hf_name}") from None
+                module = None
+            # A bias the model's layer was built without (mlp_bias, say) is None there.
+            if getattr(module, param_name, None) is None:
+                raise ValueError(f"checkpoint has a weight this model does not: {hf_name}")
             module.load(param_name, tensor.to(self.config.torch_dtype), index)
         missing = [name if name.startswith("lm_head.") else f"model.{name}"
                    for name in self._unfused_parameter_names() if name not in loaded]

@@ -42,3 +42,15 @@ def test_a_weight_whose_shape_disagrees_with_the_config_is_refused(tiny_llama_di
     save_file(tensors, shard)
     with pytest.raises(ValueError, match=f"checkpoint weight {name} has shape"):
         LLM(str(folder))
+
+
+def test_a_bias_the_model_has_no_place_for_is_named(tiny_llama_dir, tmp_path):
+    # A Llama with mlp_bias: the engine's MLP has no bias, so the weight is refused, not half-loaded.
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(tensors["model.layers.0.mlp.gate_proj.weight"].shape[0])
+    save_file(tensors, shard)
+    with pytest.raises(ValueError, match="checkpoint has a weight this model does not: model.layers.0.mlp.gate_proj.bias"):
+        LLM(str(folder))
