@@ -148,6 +148,9 @@ class ModelConfig:
                 f"model: architecture {architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        # The MLP computes silu(gate) * up; another activation would run as silu, without a word.
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {hf['hidden_act']!r} is not supported (the Llama family's is silu)")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         # Qwen2 always has q/k/v bias; Llama and Mistral say so in `attention_bias`.

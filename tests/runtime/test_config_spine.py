@@ -115,3 +115,9 @@ def test_a_sliding_window_bounds_max_model_len(tiny_llama_dir, tiny_qwen2_dir, t
     assert EngineArgs(model=qwen2).create_engine_config().scheduler.max_model_len == 2048
     qwen2_windowed = _with_config(tiny_qwen2_dir, tmp_path / "qwen2-windowed", sliding_window=64, use_sliding_window=True)
     assert EngineArgs(model=qwen2_windowed).create_engine_config().scheduler.max_model_len == 64
+
+
+def test_an_activation_the_mlp_does_not_compute_is_refused(tiny_llama_dir, tmp_path):
+    gelu = _with_config(tiny_llama_dir, tmp_path / "gelu", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        EngineArgs(model=gelu).create_engine_config()
