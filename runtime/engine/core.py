@@ -53,6 +53,10 @@ class EngineCore:
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        # A checkpoint may list several EOS tokens (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>,
+        # <|eot_id|>, and a chat turn ends with the last). A request names the first as its EOS; the
+        # others end it as stop token ids do, as in vLLM.
+        self._other_eos_token_ids = frozenset(config.model.eos_token_ids[1:])
         self.structured_output = StructuredOutputManager(
             lambda: load_tokenizer(config.model.path, config.model.tokenizer)[0].to_str(),
             config.model.vocab_size, config.model.eos_token_ids,
@@ -94,6 +98,8 @@ class EngineCore:
         self.validate(request.prompt_token_ids, request.sampling_params)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if self._other_eos_token_ids and not request.sampling_params.ignore_eos:
+            request.stopping_token_ids = request.stopping_token_ids | self._other_eos_token_ids
         if request.sampling_params.structured_outputs is not None:
             request.structured_output_request = self.structured_output.request_for(
                 request.sampling_params.structured_outputs)

@@ -28,9 +28,10 @@ class _MinTokens:
 
 
 class LogitsState:
-    def __init__(self, vocab_size: int, eos_token_id: int | None, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # Every EOS of the checkpoint: none may be sampled before min_tokens.
+        self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
         self.logit_bias: dict[str, dict[int, float]] = {}
         # Request id -> [V] bool, True for the tokens outside its allowed_token_ids.
@@ -54,8 +55,8 @@ class LogitsState:
         if params.bad_words_token_ids:
             self.bad_words[req_id] = params.bad_words_token_ids
         if params.min_tokens > 0:
-            eos = () if self.eos_token_id is None else (self.eos_token_id,)
-            self.min_tokens[req_id] = _MinTokens(params.min_tokens, tuple(dict.fromkeys(eos + tuple(params.stop_token_ids))))
+            self.min_tokens[req_id] = _MinTokens(
+                params.min_tokens, tuple(dict.fromkeys(self.eos_token_ids + tuple(params.stop_token_ids))))
         if params.has_penalties:
             self._add_penalties(new)
 

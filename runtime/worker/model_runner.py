@@ -52,8 +52,7 @@ class ModelRunner:
         self.capture_graphs = bool(self.decode_sizes) and can_capture(
             device, backend.name, config.model.enforce_eager, config.parallel.tensor_parallel_size)
         self.graphs: DecodeGraphs | None = None
-        eos = config.model.eos_token_ids
-        self.logits_state = LogitsState(config.model.vocab_size, eos[0] if eos else None, device)
+        self.logits_state = LogitsState(config.model.vocab_size, config.model.eos_token_ids, device)
         self._sampled_req_ids: list[str] | None = None
         self._sampling_settings: dict = {}
 

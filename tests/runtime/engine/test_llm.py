@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -64,6 +67,27 @@ def test_max_model_len_caps_output(llm):
     output = llm.generate([[4] * 120], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
     assert len(output.outputs[0].token_ids) == 8
     assert output.outputs[0].finish_reason == "length"
+
+
+def test_every_eos_token_of_the_checkpoint_ends_a_request(llm, tiny_llama_dir, tmp_path):
+    # Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|>; a chat turn ends with the
+    # last. Here the checkpoint's second EOS is a token greedy decoding reaches.
+    free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    second_eos = tokens[3]
+    folder = tmp_path / "two-eos"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], second_eos]}))
+    two_eos = LLM(str(folder), max_model_len=128)
+    stopped = two_eos.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
+    assert stopped.token_ids == tokens[: tokens.index(second_eos) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == second_eos
+    # ignore_eos ignores it too, and before min_tokens it may not be sampled at all.
+    ignored = two_eos.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert ignored.outputs[0].token_ids == tokens
+    held = two_eos.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, min_tokens=10))[0]
+    assert second_eos not in held.outputs[0].token_ids and len(held.outputs[0].token_ids) == 10
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ def _new(req_id: str, tokens: list[int], num_prompt: int | None = None, **params
 
 
 def _state() -> LogitsState:
-    return LogitsState(VOCAB, EOS, torch.device("cpu"))
+    return LogitsState(VOCAB, [EOS], torch.device("cpu"))
 
 
 def _no_output(i: int) -> np.ndarray:
