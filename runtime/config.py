@@ -152,7 +152,6 @@ class ModelConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"model: hidden_act {hf['hidden_act']!r} is not supported (the Llama family's is silu)")
         num_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
         # Qwen2 always has q/k/v bias; Llama and Mistral say so in `attention_bias`.
         attention_bias = architecture == "Qwen2ForCausalLM" or hf.get("attention_bias", False)
         rope_parameters = hf.get("rope_parameters") or {}
@@ -174,10 +173,26 @@ class ModelConfig:
             rope_scaling=hf.get("rope_scaling") or _scaling_part(rope_parameters),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=bool(attention_bias),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            eos_token_ids=_eos_token_ids(hf, Path(path) / "generation_config.json"),
             sliding_window=hf.get("sliding_window") if uses_window else None,
             **settings,
         )
+
+
+def _eos_token_ids(hf: dict, generation_config: Path) -> list[int]:
+    """config.json's EOS ids, then those only generation_config.json adds (transformers stops on those
+    too: Llama 3 Instruct's <|eot_id|> may be named there alone)."""
+    ids = _as_list(hf.get("eos_token_id"))
+    if generation_config.is_file():
+        try:
+            ids += _as_list(json.loads(generation_config.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            pass  # a broken generation config is reported where its sampling defaults are read
+    return list(dict.fromkeys(ids))
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def _scaling_part(rope_parameters: dict) -> dict | None:

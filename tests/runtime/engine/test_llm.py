@@ -88,6 +88,12 @@ def test_every_eos_token_of_the_checkpoint_ends_a_request(llm, tiny_llama_dir, t
     assert ignored.outputs[0].token_ids == tokens
     held = two_eos.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, min_tokens=10))[0]
     assert second_eos not in held.outputs[0].token_ids and len(held.outputs[0].token_ids) == 10
+    # An EOS that only generation_config.json names ends a request as well.
+    shutil.copy(tiny_llama_dir / "config.json", folder / "config.json")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [second_eos]}))
+    stopped = LLM(str(folder), max_model_len=128).generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0))
+    assert stopped[0].outputs[0].token_ids == tokens[: tokens.index(second_eos) + 1]
 
 
 @pytest.mark.parametrize(
