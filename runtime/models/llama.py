@@ -136,15 +136,8 @@ class LlamaForCausalLM(nn.Module):
         shapes = _checkpoint_shapes(self.config)
         for hf_name, tensor in weights:
             target = _PARAMETER_ROUTES.get(hf_name.rsplit(".", 2)[-2], None)
-            module_path, param_name = hf_name.rsplit(".", 1)
-            module_path = module_path.removeprefix("model.")
-            # The layers cut their shard out of what they are given: a tensor of the wrong size
-            # would load in part, or load too much, without a word.
-            shape = shapes.get(module_path.rsplit(".", 1)[-1])
-            expected = shape if shape is None or param_name == "weight" else shape[:1]
-            if expected is not None and tuple(tensor.shape) != expected:
-                raise ValueError(f"checkpoint weight {hf_name} has shape {tuple(tensor.shape)}, where the "
-                                 f"model's config implies {expected}")
+            module_path, param_name = hf_name.removeprefix("model.").rsplit(".", 1)
+            _check_shape(hf_name, tensor, shapes.get(module_path.rsplit(".", 1)[-1]), param_name)
             loaded.add(f"{module_path}.{param_name}")
             index = 0
             if target is not None:
@@ -178,9 +171,20 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
+def _check_shape(hf_name: str, tensor: torch.Tensor, weight_shape: tuple[int, ...] | None, param_name: str) -> None:
+    """The layers cut their shard out of the tensor they are given: one of the wrong size would load
+    in part, or load too much, without a word."""
+    if weight_shape is None:
+        return
+    expected = weight_shape if param_name == "weight" else weight_shape[:1]
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"checkpoint weight {hf_name} has shape {tuple(tensor.shape)}, where the model's config "
+                         f"implies {expected}")
+
+
 def _checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each checkpoint layer's full weight shape (before any TP split), by the layer's name; its bias
-    has the first dimension."""
+    """Each checkpoint layer's full weight shape (before any TP split), by the layer's name; a bias is
+    as long as the weight's first dimension."""
     hidden, intermediate, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "q_proj": (q, hidden),
