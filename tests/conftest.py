@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -35,6 +37,22 @@ def smollm2_gguf() -> Path:
     from kvpilot.runtime.models.default_model import ensure_default_model
 
     return ensure_default_model(Path(__file__).parents[1] / ".cache" / "kvpilot")
+
+
+@pytest.fixture
+def edited_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """`edited_checkpoint(source, **fields)`: a copy of a checkpoint folder whose config.json has
+    `fields` set (a checkpoint of another kind, without building one)."""
+    copies = iter(range(1_000))
+
+    def edit(source: Path, **fields: Any) -> Path:
+        folder = tmp_path / f"edited-checkpoint-{next(copies)}"
+        shutil.copytree(source, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **fields}))
+        return folder
+
+    return edit
 
 
 def _make(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any) -> Path:

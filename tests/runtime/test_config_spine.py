@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import shutil
 
 import pytest
 
@@ -95,29 +93,22 @@ def test_serve_builds_the_config_once(monkeypatch, tiny_llama_dir):
     assert len(calls) == 1
 
 
-def _with_config(source, folder, **fields):
-    shutil.copytree(source, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **fields}))
-    return str(folder)
-
-
-def test_a_sliding_window_bounds_max_model_len(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+def test_a_sliding_window_bounds_max_model_len(tiny_llama_dir, tiny_qwen2_dir, edited_checkpoint):
     # Mistral 7B v0.1's kind: 4096-token window, 32k positions. Within the window, full attention
     # (what the engine computes) is the same; beyond it, it is not.
-    mistral = _with_config(tiny_llama_dir, tmp_path / "mistral", architectures=["MistralForCausalLM"],
-                           model_type="mistral", sliding_window=64)
+    mistral = str(edited_checkpoint(tiny_llama_dir, architectures=["MistralForCausalLM"], model_type="mistral",
+                                    sliding_window=64))
     assert EngineArgs(model=mistral).create_engine_config().scheduler.max_model_len == 64
     with pytest.raises(ValueError, match=r"max_model_len 65 exceeds the model's sliding_window \(64\)"):
         EngineArgs(model=mistral, max_model_len=65).create_engine_config()
     # Qwen2 configs name a window that only use_sliding_window turns on.
-    qwen2 = _with_config(tiny_qwen2_dir, tmp_path / "qwen2", sliding_window=64, use_sliding_window=False)
+    qwen2 = str(edited_checkpoint(tiny_qwen2_dir, sliding_window=64, use_sliding_window=False))
     assert EngineArgs(model=qwen2).create_engine_config().scheduler.max_model_len == 2048
-    qwen2_windowed = _with_config(tiny_qwen2_dir, tmp_path / "qwen2-windowed", sliding_window=64, use_sliding_window=True)
+    qwen2_windowed = str(edited_checkpoint(tiny_qwen2_dir, sliding_window=64, use_sliding_window=True))
     assert EngineArgs(model=qwen2_windowed).create_engine_config().scheduler.max_model_len == 64
 
 
-def test_an_activation_the_mlp_does_not_compute_is_refused(tiny_llama_dir, tmp_path):
-    gelu = _with_config(tiny_llama_dir, tmp_path / "gelu", hidden_act="gelu")
+def test_an_activation_the_mlp_does_not_compute_is_refused(tiny_llama_dir, edited_checkpoint):
+    gelu = str(edited_checkpoint(tiny_llama_dir, hidden_act="gelu"))
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         EngineArgs(model=gelu).create_engine_config()

@@ -7,7 +7,6 @@ of prompts of mixed lengths decoded together.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -124,28 +123,22 @@ def test_llama3_rope_scaling_matches_transformers(tiny_llama3_rope_dir):
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
 
 
-def test_linear_rope_scaling_matches_transformers(tiny_llama_dir, tmp_path):
+def test_linear_rope_scaling_matches_transformers(tiny_llama_dir, edited_checkpoint):
     # How transformers 5 writes a linear-scaled checkpoint's rotary settings (and a GGUF file's
     # rope.scaling.type "linear" becomes).
-    folder = tmp_path / "linear-rope"
-    shutil.copytree(tiny_llama_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 4.0}
-    (folder / "config.json").write_text(json.dumps(config))
+    rope = json.loads((tiny_llama_dir / "config.json").read_text())["rope_parameters"]
+    folder = edited_checkpoint(tiny_llama_dir, rope_parameters={**rope, "rope_type": "linear", "factor": 4.0})
     oracle = HFOracle(str(folder))
     llm = LLM(str(folder), block_size=8)
     prompts = random_prompts([300, 7], llm.config.model.vocab_size, seed=6)
     _assert_matches_oracle(oracle, prompts, llm.generate(prompts, _greedy()))
 
 
-def test_a_sliding_window_checkpoint_matches_transformers_within_its_window(tiny_llama_dir, tmp_path):
+def test_a_sliding_window_checkpoint_matches_transformers_within_its_window(tiny_llama_dir, edited_checkpoint):
     # Mistral's architecture with a window: transformers masks past it; the engine, which attends over
     # the whole context, caps max_model_len at the window, where both attentions are the same.
-    folder = tmp_path / "mistral"
-    shutil.copytree(tiny_llama_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=48)
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = edited_checkpoint(tiny_llama_dir, architectures=["MistralForCausalLM"], model_type="mistral",
+                               sliding_window=48)
     llm = LLM(str(folder), block_size=8)
     assert llm.config.scheduler.max_model_len == 48
     prompts = random_prompts([48 - NEW_TOKENS, 5], llm.config.model.vocab_size, seed=8)

@@ -69,16 +69,14 @@ def test_max_model_len_caps_output(llm):
     assert output.outputs[0].finish_reason == "length"
 
 
-def test_every_eos_token_of_the_checkpoint_ends_a_request(llm, tiny_llama_dir, tmp_path):
+def test_every_eos_token_of_the_checkpoint_ends_a_request(llm, tiny_llama_dir, edited_checkpoint):
     # Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|>; a chat turn ends with the
     # last. Here the checkpoint's second EOS is a token greedy decoding reaches.
     free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
     tokens = free.outputs[0].token_ids
     second_eos = tokens[3]
-    folder = tmp_path / "two-eos"
-    shutil.copytree(tiny_llama_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], second_eos]}))
+    eos = json.loads((tiny_llama_dir / "config.json").read_text())["eos_token_id"]
+    folder = edited_checkpoint(tiny_llama_dir, eos_token_id=[eos, second_eos])
     two_eos = LLM(str(folder), max_model_len=128)
     stopped = two_eos.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
     assert stopped.token_ids == tokens[: tokens.index(second_eos) + 1]
