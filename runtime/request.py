@@ -81,10 +81,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be non-negative, got {value}")
-        # What a torch generator takes (negative seeds wrap around), for every choice's seed + index.
-        if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:
-            raise ValueError(f"seed must be a 64-bit integer that stays one for each of the n={self.n} choices' "
-                             f"seed + index, got {self.seed}")
+        # Choice i samples with seed + i (for_choice): checked here, against n, so that the message
+        # names the seed the caller gave and not a choice's. The API takes the same range.
+        if self.seed is not None and not 0 <= self.seed <= 2**63 - self.n:
+            raise ParamError("seed", f"seed must be in [0, 2**63 - n] (choice i samples with seed + i), "
+                                     f"got {self.seed} with n={self.n}")
         # NaN fails every comparison, so it is refused too.
         if self.logit_bias is not None and any(not (0 <= token and -100 <= bias <= 100)
                                                for token, bias in self.logit_bias.items()):
