@@ -170,8 +170,9 @@ def test_an_id_taken_again_while_its_old_request_has_a_step_in_flight(tiny_llama
         engine.shutdown()
 
 
-def test_async_scheduling_is_a_serve_flag():
+def test_async_scheduling_is_a_serve_flag(tiny_llama_dir):
     from kvpilot.runtime.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "/models/m", "--async-scheduling"])
+    # A MODEL that exists: serve checks it while parsing (main 6e909cc).
+    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--async-scheduling"])
     assert args.async_scheduling is True

@@ -53,7 +53,9 @@ def test_a_quantization_type_gguf_cannot_dequantize(tmp_path, capsys):
 
 
 def test_a_missing_file(tmp_path, capsys):
-    assert "no such GGUF file" in _serve_usage_error(capsys, tmp_path / "absent.gguf")
+    # serve checks MODEL while parsing (main 6e909cc), before it is opened as GGUF.
+    missing = tmp_path / "absent.gguf"
+    assert f"argument MODEL: no such folder or file: {missing}" in _serve_usage_error(capsys, missing)
 
 
 def test_the_console_script_prints_no_traceback(tmp_path):
