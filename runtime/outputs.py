@@ -49,6 +49,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Seconds from arrival at the engine to first scheduling: on the request's first output only.
     queue_time: float | None = None
+    # Why the engine refused a request its frontend had passed (finish_reason "abort"): a
+    # grammar that did not compile against the tokenizer, say. The frontend tells its client.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

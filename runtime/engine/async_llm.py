@@ -25,6 +25,11 @@ class SlowConsumerError(RuntimeError):
     """A request's consumer left more outputs unread than its buffer holds; the request was aborted."""
 
 
+class RequestRefusedError(ValueError):
+    """The engine refused a request its frontend had passed (StreamOutput.error says why); a
+    ValueError, as the frontend's own refusals are, so the server answers it with a 400."""
+
+
 class OutputBuffer:
     """A request's deltas not read yet, at most `limit` of them (None: no bound): past it,
     `on_overflow` runs once, the consumer is left a SlowConsumerError after what it has not read,
@@ -125,7 +130,8 @@ class AsyncLLM:
 
         n > 1 fans out as child requests (seeds seed + i). Closing or cancelling the iterator
         (client disconnect) aborts whatever is unfinished, freeing its KV blocks. Raises
-        ValueError for bad input (before anything is queued), EngineDeadError if the engine dies.
+        ValueError for bad input (before anything is queued), RequestRefusedError (a ValueError)
+        when the engine refuses it all the same, EngineDeadError if the engine dies.
         Stop strings (params.stop) are found by the OutputProcessor, which cuts the text; the
         engine is then told to abort. With max_buffered_outputs, a consumer that leaves more deltas
         than that unread gets the request aborted in the engine, and SlowConsumerError after the
@@ -163,6 +169,8 @@ class AsyncLLM:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise RequestRefusedError(item.error)
                 if item.finished:
                     unfinished.discard(engine_ids[item.index])
                 yield item

@@ -183,15 +183,16 @@ class EngineCore:
         the two (a tokenizer-specific one)."""
         if not self._compiling:
             return []
-        failed = []
+        failed = {}
         for req_id, grammar in list(self._compiling.items()):
             if grammar.is_ready:
                 del self._compiling[req_id]
                 if grammar.error is not None:
                     logger.error("refused request %s: its grammar failed to compile: %s", req_id, grammar.error)
-                    failed.append(req_id)
+                    failed[req_id] = f"the structured output's grammar did not compile: {grammar.error}"
         self.abort_requests(failed)
-        return [EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason="abort") for req_id in failed]
+        return [EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason="abort", error=error)
+                for req_id, error in failed.items()]
 
     def _wait_for_grammars(self) -> None:
         """Nothing to run but grammars to compile: sleep on them rather than spin."""

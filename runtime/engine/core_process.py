@@ -190,7 +190,8 @@ class _EngineLoop:
             # The frontend validates first, so this is a disagreement between the two: end the
             # request rather than the engine.
             logger.error("refused request %s: %s", message.request_id, exc)
-            aborted = EngineCoreOutput(request_id=message.request_id, new_token_ids=[], finish_reason="abort")
+            aborted = EngineCoreOutput(request_id=message.request_id, new_token_ids=[], finish_reason="abort",
+                                       error=f"the engine refused the request: {exc}")
             self.outputs.put(EngineCoreOutputs(outputs=[aborted]))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:

@@ -42,6 +42,8 @@ class StreamOutput:
     num_cached_tokens: int
     # Only on the first StreamOutput of a request that asked for prompt_logprobs: [None, {...}, ...].
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With finish_reason "abort": why the engine refused the request (EngineCoreOutput.error).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -245,14 +247,14 @@ class OutputProcessor:
             token_ids, logprobs = choice.unsent_token_ids, choice.unsent_logprobs
             choice.unsent_token_ids, choice.unsent_logprobs = [], []
             choice.sent_any = True
-        choice.sink(self._stream_output(choice, token_ids, logprobs, finish_reason, stop_reason))
+        choice.sink(self._stream_output(choice, token_ids, logprobs, finish_reason, stop_reason, output.error))
         if finish_reason is not None:
             del self.choices[choice.engine_id]
             self._record_finished(choice, finish_reason)
         return stopped_here
 
     def _stream_output(self, choice: ChoiceState, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
-                       finish_reason: str | None, stop_reason) -> StreamOutput:
+                       finish_reason: str | None, stop_reason, error: str | None) -> StreamOutput:
         prompt_logprobs = None
         if choice.params.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
             choice.prompt_logprobs_sent = True
@@ -272,6 +274,7 @@ class OutputProcessor:
             num_output_tokens=choice.num_output_tokens,
             num_cached_tokens=choice.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            error=error,
         )
 
     def _decode_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:

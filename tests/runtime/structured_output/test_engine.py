@@ -157,6 +157,20 @@ def test_grammars_are_compiled_once_per_constraint(llm):
     assert reordered.start() is not first.start() and reordered.num_accepted == 0
 
 
+def spy_outputs(llm, monkeypatch) -> list:
+    """Every EngineCoreOutput the engine's steps return while the test runs."""
+    seen = []
+    step = llm.engine.step
+
+    def spy():
+        outputs = step()
+        seen.extend(outputs)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", spy)
+    return seen
+
+
 def test_a_grammar_that_fails_to_compile_in_the_engine_aborts_its_request_only(llm, monkeypatch):
     # The frontend's check passed, but the engine's compile (against the tokenizer) fails.
     def failing(params):
@@ -164,8 +178,12 @@ def test_a_grammar_that_fails_to_compile_in_the_engine_aborts_its_request_only(l
 
     monkeypatch.setattr(llm.engine.structured_output, "_compile", failing)
     params = constrained(regex="[0-9]{4}-unique-to-this-test")
+    # What the engine tells its frontend: the abort, and why (for the server's 400).
+    refused = spy_outputs(llm, monkeypatch)
     outputs = llm.generate([PROMPT, PROMPT], [params, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
     assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].outputs[0].token_ids == []
+    [reason] = [output.error for output in refused if output.error is not None]
+    assert reason == "the structured output's grammar did not compile: tokenizer-specific failure"
     assert len(outputs[1].outputs[0].token_ids) == 4
     monkeypatch.undo()
     # A failed compile is not cached: the same constraint compiles on the next request.
