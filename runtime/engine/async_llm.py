@@ -169,10 +169,10 @@ class AsyncLLM:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.error is not None:
-                    raise RequestRefusedError(item.error)
                 if item.finished:
                     unfinished.discard(engine_ids[item.index])
+                if item.error is not None:
+                    raise RequestRefusedError(item.error)
                 yield item
         finally:
             if unfinished:

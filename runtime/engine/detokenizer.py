@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -23,7 +25,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, prompt_token_ids: list[int] = ()) -> None:
+                 include_stop_str_in_output: bool = False, prompt_token_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         # DecodeStream keeps the byte-level state, so a multi-byte character split across
         # tokens comes out whole, once.
