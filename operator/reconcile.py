@@ -109,8 +109,11 @@ class Reconciler:
                 await self.refresh_status(namespace, owner)
             return
         async with self._reconcile_locks[namespace, owner]:
-            # The pass that held the lock may have made this version itself.
-            if not self._applied_by_operator(child):
+            # The event may be older than the pass that held the lock, which made this version
+            # itself or put the edit back already: only the child as it is now tells. One gone
+            # is its DELETED event's to handle.
+            current = await self.client.get(kube.path_of(child))
+            if current is not None and not self._applied_by_operator(current):
                 await self._reconcile_fresh(namespace, owner)
 
     def _applied_by_operator(self, child: Mapping[str, Any]) -> bool:

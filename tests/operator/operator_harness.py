@@ -23,7 +23,7 @@ import yaml
 
 from crd_validation import errors, with_defaults
 from emulated_apiserver import EmulatedApiServer
-from kvpilot.operator import handlers, naming
+from kvpilot.operator import handlers, kube, naming, reconcile
 
 T = TypeVar("T")
 NAMESPACE = "ml"
@@ -272,6 +272,17 @@ class _ServerThread(threading.Thread):
             self.url = str(http.url)
             self.started.set()
             await self._stopping.wait()
+
+
+@contextlib.asynccontextmanager
+async def reconciler_alone() -> AsyncIterator[reconcile.Reconciler]:
+    """The operator's Reconciler without kopf, for a test that calls it itself."""
+    with posted_events():
+        reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
+        try:
+            yield reconciler
+        finally:
+            await reconciler.client.close()
 
 
 @contextlib.contextmanager

@@ -10,13 +10,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kopf
 import pytest
 
 import operator_harness as harness
 from fake_metrics import fake_metrics
 from fake_pods import FakePod, serving
-from kvpilot.operator import control, engine_admin, kube, reconcile
+from kvpilot.operator import control, engine_admin, kube
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,8 +79,7 @@ async def control_loops(k: harness.Cluster, fake: Any, pod_url: Any, spec: dict[
                         ) -> AsyncIterator[control.ControlLoops]:
     """The control loops without kopf, for a test that ticks them itself, over the engine `qwen`
     (created with `spec` and reconciled once) and its one ready pod qwen-a."""
-    with harness.posted_events():
-        reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
+    async with harness.reconciler_alone() as reconciler:
         loops = control.ControlLoops(reconciler, pod_metrics_url=fake.pod_url, pod_url=pod_url)
         await k.create_secret("prod-key", {"api-key": harness.key("sk-prod")})
         await k.create_engine("qwen", spec)
@@ -91,7 +89,6 @@ async def control_loops(k: harness.Cluster, fake: Any, pod_url: Any, spec: dict[
             yield loops
         finally:
             await loops.close()
-            await reconciler.client.close()
 
 
 @pytest.mark.parametrize("autoscaling", [{}, {"enabled": False}], ids=["at-max-replicas", "autoscaling-off"])
