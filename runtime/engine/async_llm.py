@@ -87,6 +87,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         # What the engine last reported, pushed after each step or answered to get_stats.
         self.latest_stats: EngineStats | None = None
+        self._scrape: asyncio.Future[EngineStats] | None = None
         self._generate_calls = itertools.count()
         self.engine_core = EngineCoreClient(
             config, on_outputs=self._process_outputs,
@@ -194,8 +195,23 @@ class AsyncLLM:
     # -- utility calls --------------------------------------------------------------------------
 
     async def get_stats(self) -> EngineStats:
+        """The engine's stats, asked after whatever this caller changed."""
         self.latest_stats = await self.engine_core.call_utility(Utility.GET_STATS)
         return self.latest_stats
+
+    async def scrape_stats(self) -> EngineStats:
+        """The engine's stats for a scraper: a scrape that comes while another's call is in flight
+        shares its answer, so a crowd of scrapers (/metrics needs no key) costs the engine one call
+        at a time, not one each. A scraper that gives up leaves the call to the others."""
+        if self._scrape is None:
+            self._scrape = asyncio.ensure_future(self.get_stats())
+            self._scrape.add_done_callback(self._scrape_done)
+        return await asyncio.shield(self._scrape)
+
+    def _scrape_done(self, call: asyncio.Future[EngineStats]) -> None:
+        self._scrape = None
+        if not call.cancelled():
+            call.exception()  # retrieved here: a call every scraper gave up on would warn otherwise
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility(Utility.RESET_PREFIX_CACHE)

@@ -182,7 +182,7 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         with contextlib.suppress(EngineDeadError, TimeoutError):
-            metrics.record_engine_stats(await asyncio.wait_for(engine.get_stats(), STATS_REFRESH_TIMEOUT_S))
+            metrics.record_engine_stats(await asyncio.wait_for(engine.scrape_stats(), STATS_REFRESH_TIMEOUT_S))
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return router

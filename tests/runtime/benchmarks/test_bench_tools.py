@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import statistics
+import threading
 
 import httpx
 import pytest
@@ -110,3 +112,33 @@ def test_an_unreachable_server_ends_with_one_line_and_exit_1(capsys):
     error = capsys.readouterr().err.strip()
     assert code == 1 and error.startswith("kvpilot bench serve: error: cannot reach http://127.0.0.1:9")
     assert "\n" not in error
+
+
+def test_the_api_key_comes_from_the_environment_and_never_shows_in_help(monkeypatch, capsys):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "sk-from-env" not in help_text and "default: None" not in help_text
+    assert "default: $OPENAI_API_KEY" in help_text
+
+    seen = []
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            code = cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{server.server_port}",
+                             "--model", "m", "--num-prompts", "1"])
+        finally:
+            server.shutdown()
+    assert code == 1 and seen == ["Bearer sk-from-env"]
+    assert "refused the API key (401)" in capsys.readouterr().err

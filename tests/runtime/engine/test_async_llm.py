@@ -213,6 +213,29 @@ def test_scheduling_policy_is_set_live(engine, loop):
     assert loop.run_until_complete(scenario()).scheduling_policy == "fcfs"
 
 
+def test_scrapers_at_once_share_one_engine_call(engine, loop, monkeypatch):
+    calls = []
+    ask = engine.engine_core.call_utility
+
+    async def counted(name, *args):
+        calls.append(name)
+        return await ask(name, *args)
+
+    monkeypatch.setattr(engine.engine_core, "call_utility", counted)
+
+    async def scenario():
+        quitter = asyncio.ensure_future(engine.scrape_stats())
+        await asyncio.sleep(0)
+        quitter.cancel()  # a scraper that gives up leaves the call to the others
+        crowd = await asyncio.gather(*(engine.scrape_stats() for _ in range(32)))
+        assert quitter.cancelled()
+        assert len(calls) == 1 and all(stats is crowd[0] for stats in crowd)
+        assert await engine.scrape_stats() is not crowd[0]  # the next scrape asks again
+        assert len(calls) == 2
+
+    loop.run_until_complete(scenario())
+
+
 def test_engine_start_failure_reports_the_engine_error(tiny_llama_dir, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
