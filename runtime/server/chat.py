@@ -44,7 +44,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
         logprobs=body.num_logprobs, tenant=http_request.state.tenant, request_id=request_id,
         structured_outputs=structured_outputs,
     )
-    response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs, tools)
+    response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs, tools,
+                                 echoed=body.echoed_text)
     return await serving.respond(http_request, request, response_format, stream=body.stream,
                                  include_usage=body.include_usage, continuous_usage=body.continuous_usage)
 
@@ -64,7 +65,7 @@ async def _constraint(body: ChatCompletionRequest, tools: ToolUse, serving: Serv
 
 class ChatFormat:
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None,
-                 tools: ToolUse = ToolUse()) -> None:
+                 tools: ToolUse = ToolUse(), echoed: str = "") -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -72,6 +73,8 @@ class ChatFormat:
         # None: no logprobs; otherwise how many alternatives to list per token.
         self.top_logprobs = top_logprobs
         self.tools = tools
+        # What each choice's content starts with (the request's echo), never seen by the tool parser.
+        self.echoed = echoed
         # Per streamed choice, where tool calls are read from its text.
         self._calls: dict[int, StreamedCalls] = {}
 
@@ -92,9 +95,13 @@ class ChatFormat:
         return ChatLogprobs(content=content)
 
     def opening_chunks(self) -> list[ChatCompletionChunk]:
-        # OpenAI opens every choice with the speaker's role.
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-                for i in range(self.n)]
+        # OpenAI opens every choice with the speaker's role; an echo follows it, as in vLLM.
+        chunks = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                  for i in range(self.n)]
+        if self.echoed:
+            chunks += [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=self.echoed))])
+                       for i in range(self.n)]
+        return chunks
 
     def text_only(self, output: StreamOutput) -> bool:
         # An empty delta renders without its content: not a template's shape. A tool parser reads
@@ -129,6 +136,8 @@ class ChatFormat:
 
     def _choice(self, choice: Choice) -> ChatChoice:
         message, called = assistant_message(choice.text, self.tools)
+        if self.echoed:
+            message.content = self.echoed + (message.content or "")
         return ChatChoice(index=choice.index, message=message,
                           logprobs=self._logprobs(choice.token_ids, choice.logprobs),
                           finish_reason=tool_finish_reason(choice.finish_reason, called, self.tools),

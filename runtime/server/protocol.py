@@ -368,11 +368,14 @@ class ChatMessage(RequestBody):
                 raise ValueError(f"this model takes text only: {part['type']} content parts are not supported")
         return content
 
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
     def as_template_input(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls is not None:
@@ -424,6 +427,9 @@ class ChatCompletionRequest(GenerationRequest):
     # vLLM's chat-template controls.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: each reply starts with the final message's text when that message is the
+    # assistant's own (a reply continued, as with continue_final_message).
+    echo: bool = False
     tools: list[ChatTool] | None = None
     # With tools and no choice, "auto" (OpenAI's default, and vLLM's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -443,6 +449,12 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool is None:
             raise ValueError("The tool specified in `tool_choice` does not match any of the specified `tools`")
         return self
+
+    @property
+    def echoed_text(self) -> str:
+        """What each reply starts with: see `echo`."""
+        final = self.messages[-1]
+        return final.text if self.echo and final.role == "assistant" else ""
 
     @property
     def named_tool(self) -> FunctionDefinition | None:

@@ -119,6 +119,27 @@ def test_echo_of_token_ids_decodes_them(http, llm):
     assert body["choices"][0]["text"].startswith(llm.tokenizer.decode(ids, skip_special_tokens=False))
 
 
+def test_a_chat_echo_starts_each_reply_with_the_assistants_final_message(http):
+    opened = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    continued = _body(messages=opened, add_generation_prompt=False, continue_final_message=True, temperature=0, n=2)
+    plain = http.post("/v1/chat/completions", json=continued).json()
+    echoed = http.post("/v1/chat/completions", json={**continued, "echo": True}).json()
+    assert [c["message"]["content"] for c in echoed["choices"]] == [
+        "The colour is" + c["message"]["content"] for c in plain["choices"]]
+    assert echoed["usage"] == plain["usage"]
+    with http.stream("POST", "/v1/chat/completions", json={**continued, "echo": True, "stream": True}) as response:
+        events = sse_events(response.iter_lines())[:-1]
+    streamed = ["", ""]
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content") or ""
+    assert streamed == [c["message"]["content"] for c in echoed["choices"]]
+    # A final message of the user's is no part of the reply.
+    asked = _body(messages=opened[:1], echo=True, temperature=0)
+    assert (http.post("/v1/chat/completions", json=asked).json()["choices"][0]["message"]["content"]
+            == http.post("/v1/chat/completions", json={**asked, "echo": False}).json()["choices"][0]["message"]["content"])
+
+
 def test_penalties_reach_the_engine(http, llm):
     prompt = TOKEN_PROMPTS[0] * 3
     fields = dict(repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.5, temperature=0)
