@@ -12,8 +12,9 @@ reading and a replica's capacity) goes in and comes out as a value.
   the replica runs (num_requests_running, at least targetQueueDepth). Read as a rate, as the HPA
   reads an average value, a backlog would ask for one replica per targetQueueDepth requests.
   Arrivals: arrived / (capacity x targetKVCacheUsage), with capacity what a replica completes
-  per second while it has a backlog, measured then and kept in the decision's Memory: it holds
-  the replicas the traffic needs when the queues are empty and KV usage lags.
+  per second while it has a backlog, measured over every backlog seen (Memory.capacity) and kept
+  in the decision's Memory: it holds the replicas the traffic needs when the queues are empty
+  and KV usage lags.
 - The recommendation is ceil(ready x mean saturation), unless the mean lies within 10 % of 1.
 - Scaling up takes the lowest recommendation of the last scaleUpStabilizationSeconds (0: the
   current one), and at most doubles the count (or adds 4, whichever is more) per decision;
@@ -42,6 +43,9 @@ TOLERANCE = 0.1
 BACKLOG_DRAIN_SECONDS = 60.0
 # A backlog too large to drain within that even with no arrivals asks to spread them this thin.
 MAX_SPREAD = 2.0
+# The replica-seconds of backlog a replica's capacity is measured over (Memory.capacity): an
+# hour of one replica's, or a few minutes of a fleet's; older ones weigh less.
+CAPACITY_WINDOW_SECONDS = 3600.0
 # A sample older than this many intervals is stale.
 STALE_INTERVALS = 3
 SCALE_UP_FACTOR = 2
@@ -114,13 +118,22 @@ class Decision:
 
 @dataclass(frozen=True)
 class Memory:
-    """What one reading leaves for the next: the pods' samples, for their rates since, what a
-    replica completes per second while it has a backlog (its capacity; None until one was seen),
-    and when the memory began (None: it begins with this reading)."""
+    """What one reading leaves for the next: the pods' samples, for their rates since; the
+    requests replicas finished while they had a backlog and the replica-seconds that took (see
+    `capacity`); and when the memory began (None: it begins with this reading)."""
 
     pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
-    capacity: float | None = None
+    backlog_finished: float = 0.0
+    backlog_seconds: float = 0.0
     since: float | None = None
+
+    @property
+    def capacity(self) -> float | None:
+        """What a replica completes per second while it has a backlog; None until one was seen
+        to finish anything. One interval's count is noise for long requests (a replica finishes
+        a few, or none, in 15 s), so it is the ratio of the totals over CAPACITY_WINDOW_SECONDS
+        of backlog."""
+        return self.backlog_finished / self.backlog_seconds if self.backlog_finished > 0 else None
 
 
 def decide(
@@ -150,11 +163,8 @@ def decide(
                         f" and maxReplicas {policy.max_replicas}", (problem,), None, history, memory)
     used = {pod: reading.samples[pod] for pod in ready}
     rates = {pod: _rates(sample, memory.pods.get(pod)) for pod, sample in used.items()}
-    saturated = [rate[0] for pod, rate in rates.items()
-                 if rate is not None and used[pod].num_waiting > policy.target_queue_depth]
-    capacity = sum(saturated) / len(saturated) if saturated else memory.capacity
-    load = _load(policy, used, rates, capacity)
-    memory = Memory(used, capacity, since)
+    memory = Memory(used, *_backlog_work(policy, used, memory), since=since)
+    load = _load(policy, used, rates, memory.capacity)
 
     # In replicas at target: what the ready replicas carry now. Starting replicas are in
     # `replicas` already, so the capacity on its way is never asked for twice.
@@ -216,6 +226,23 @@ def _problem(
             more = f"; and {len(messages) - _NAMED_PODS} more" if len(messages) > _NAMED_PODS else ""
             return Condition(METRICS_AVAILABLE, False, reason, "; ".join(messages[:_NAMED_PODS]) + more)
     return None
+
+
+def _backlog_work(policy: Policy, used: Mapping[str, samples.PodSample], memory: Memory) -> tuple[float, float]:
+    """Memory's (finished, replica-seconds) under a backlog, with what each pod that has one did
+    since its last reading; beyond the window both shrink in proportion, which forgets the oldest."""
+    finished, seconds = memory.backlog_finished, memory.backlog_seconds
+    for pod, sample in used.items():
+        before = memory.pods.get(pod)
+        if (sample.num_waiting <= policy.target_queue_depth or before is None
+                or sample.num_finished is None or before.num_finished is None):
+            continue
+        elapsed, done = sample.observed_at - before.observed_at, sample.num_finished - before.num_finished
+        if elapsed > 0 and done >= 0:  # done < 0: a restarted engine's counter
+            finished, seconds = finished + done, seconds + elapsed
+    if seconds > CAPACITY_WINDOW_SECONDS:
+        finished, seconds = finished * CAPACITY_WINDOW_SECONDS / seconds, CAPACITY_WINDOW_SECONDS
+    return finished, seconds
 
 
 def _rates(sample: samples.PodSample, before: samples.PodSample | None) -> tuple[float, float] | None:

@@ -102,7 +102,9 @@ def test_a_backlog_is_drained_within_the_horizon_by_routing_arrivals_elsewhere()
     assert math.isclose(decision.load.saturation, 40 / (28 - 600 / autoscaler.BACKLOG_DRAIN_SECONDS))
     # What the next call needs: this reading, the backlogged pod's 28/s as a replica's capacity,
     # and when the memory began (at this call: the one it was given did not say).
-    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 605, 1420)}, capacity=28.0, since=15.0)
+    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 605, 1420)}, backlog_finished=420,
+                                                backlog_seconds=15, since=15.0)
+    assert decision.memory.capacity == 28.0
     # The same backlog, shrinking by 20/s: 8/s arrive, fewer than the 16.4/s it may take: held.
     assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
     # Beyond what a halving of its arrivals drains in time (1000 waiting: 28 - 995/60 = 11.4/s
@@ -125,10 +127,31 @@ def test_arrivals_are_read_in_capacities_learnt_under_a_backlog() -> None:
     calm = samples.Reading({pod: samples.PodSample(pod, 0.1, 0, 20, 30.0, 875) for pod in ("p0", "p1")})
     pods = {pod: samples.PodSample(pod, 0.1, 0, 20, 15.0, 725) for pod in ("p0", "p1")}
     policy = dataclasses.replace(WIDE, scale_down_stabilization_seconds=0)
-    later = autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods, 28.0))
+    later = autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods, 420, 15))
     assert later.memory.capacity == 28.0 and math.isclose(later.load.saturation, 10 / 14)
     assert later.replicas == 2
     assert autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods)).replicas == 1
+
+
+def test_a_replicas_capacity_is_measured_over_every_backlog_not_the_last_interval() -> None:
+    # Long requests finish a few at a time: under the same backlog one interval sees 6 finish,
+    # the next none, the next 9. The capacity is the totals' ratio, 15 in 45 s, not the last 9/15.
+    memory = autoscaler.Memory({"p0": sampled(0, 500, 0)})
+    stalled = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(15, 500, 0)}), (), 15.0, memory)
+    assert stalled.memory.backlog_seconds == 15 and stalled.memory.capacity is None  # nothing finished yet
+    for now, finished in ((15, 6), (30, 6), (45, 15)):
+        reading = samples.Reading({"p0": sampled(now, 500, finished)})
+        memory = autoscaler.decide(WIDE, 1, ["p0"], 0, reading, (), float(now), memory).memory
+    assert memory.backlog_seconds == 45 and math.isclose(memory.capacity, 15 / 45)
+    # An interval without a backlog (its queue at the target) measures nothing.
+    calm = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(60, 0, 40)}), (), 60.0, memory)
+    assert calm.memory.capacity == memory.capacity
+    # Beyond the window the old work shrinks in proportion, so a changed workload takes over.
+    full = autoscaler.Memory({"p0": sampled(0, 500, 0)}, backlog_finished=3600,
+                             backlog_seconds=autoscaler.CAPACITY_WINDOW_SECONDS)
+    after = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(360, 500, 36)}), (), 360.0, full)
+    assert after.memory.backlog_seconds == autoscaler.CAPACITY_WINDOW_SECONDS
+    assert math.isclose(after.memory.capacity, (3600 + 36) / (autoscaler.CAPACITY_WINDOW_SECONDS + 360))
 
 
 def test_without_a_completion_rate_a_backlog_is_read_in_batches() -> None:
