@@ -6,6 +6,7 @@ validation), check the OpenAPI schema, and evaluate the x-kubernetes-validations
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,13 @@ def _unknown_fields(obj: Any, schema: Schema, path: str) -> Iterator[str]:
 def _rule_failures(obj: Any, schema: Schema, path: str) -> Iterator[tuple[str, str]]:
     for rule in schema.get("x-kubernetes-validations", []):
         if not _holds(rule["rule"], obj):
-            yield path.lstrip(".") or "<root>", rule.get("message", f"failed rule: {rule['rule']}")
+            where = f"{path}{rule.get('fieldPath', '')}".lstrip(".") or "<root>"
+            # The API server reports messageExpression's text (message where it fails to evaluate;
+            # here that fails the test instead).
+            message = rule.get("message", f"failed rule: {rule['rule']}")
+            if "messageExpression" in rule:
+                message = str(_evaluated(rule["messageExpression"], obj))
+            yield where, message
     if isinstance(obj, dict):
         for name, value in obj.items():
             child = schema.get("properties", {}).get(name)
@@ -110,13 +117,22 @@ def _rule_failures(obj: Any, schema: Schema, path: str) -> Iterator[tuple[str, s
 
 
 def _holds(rule: str, value: Any) -> bool:
-    environment = celpy.Environment()
-    program = environment.program(environment.compile(rule))
-    result = program.evaluate({"self": celpy.json_to_cel(value)})
+    return bool(_evaluated(rule, value))
+
+
+def _evaluated(expression: str, value: Any) -> Any:
+    result = _program(expression).evaluate({"self": celpy.json_to_cel(value)})
     if isinstance(result, celpy.CELEvalError):
-        raise AssertionError(f"rule {rule!r} failed to evaluate: {result}")
-    return bool(result)
+        raise AssertionError(f"{expression!r} failed to evaluate: {result}")
+    return result
 
 
 def _dotted(path: Any) -> str:
     return ".".join(str(part) for part in path) or "<root>"
+
+
+@functools.cache
+def _program(expression: str) -> Any:
+    # Compiling is most of the cost of a check; the CRD has a few dozen expressions.
+    environment = celpy.Environment()
+    return environment.program(environment.compile(expression))

@@ -180,9 +180,10 @@ def test_gpu_limit_equals_tensor_parallelism(tensor: int) -> None:
 
 
 def test_resources_override_the_gpu_limit() -> None:
-    obj = with_spec(resources={"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}})
+    # No GPU: an engine on CPUs (the CRD refuses fewer GPUs than parallelism.tensor, but not 0).
+    obj = with_spec(resources={"limits": {"nvidia.com/gpu": 0, "memory": "8Gi"}})
     (container,) = children(obj)["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 0, "memory": "8Gi"}}
 
 
 def test_drain_outlasts_the_shutdown_timeout() -> None:
