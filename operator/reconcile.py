@@ -124,8 +124,7 @@ class Reconciler:
     async def apply_child(self, child: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side-apply one child, remembering the version it leaves."""
         after = await self.client.apply(child)
-        if child["kind"] not in _UNFOLLOWED_KINDS:
-            self._applied[kube.path_of(child)] = _version(after)
+        self._applied[kube.path_of(child)] = _version(after)
         return after
 
     async def child_deleted(self, child: Mapping[str, Any]) -> None:
@@ -208,9 +207,6 @@ class Reconciler:
             kopf.info(_about(engine), reason="Updated", message=f"Updated {what}")
 
 
-# Children not watched (a ServiceMonitor's CRD may be missing when the operator starts), so never
-# seen deleted either: nothing of them is remembered.
-_UNFOLLOWED_KINDS = frozenset({"ServiceMonitor"})
 # Kinds whose status changes all the time (their controllers' writes) and whose generation
 # changes only with their spec: for them the generation is the version an edit changes.
 _STATUS_BUSY_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
