@@ -66,7 +66,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     for resource in _CHILD_RESOURCES:
         settings.watching.label_selectors[resource] = f"{naming.MANAGED_BY_LABEL}={naming.FIELD_MANAGER}"
     settings.watching.chunk_size = LIST_CHUNK_SIZE
-    memo.reconciler = reconcile.Reconciler(kube.Kube(settings))
+    client = kube.Kube(settings)
+    memo.reconciler = reconcile.Reconciler(client, unwatched_kinds=await _unwatched_kinds(client))
     # Tests point the direct scrape and the policy tuner's calls at fake pods of their own, where
     # pods have no reachable IP.
     memo.control = control.ControlLoops(
@@ -74,6 +75,17 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         pod_metrics_url=memo.get("pod_metrics_url", metrics.pod_metrics_url),
         pod_url=memo.get("pod_url", metrics.pod_url),
     )
+
+
+async def _unwatched_kinds(client: kube.Kube) -> frozenset[str]:
+    # kopf resolves the watched resources once, after this handler (scanning is off): a
+    # ServiceMonitor CRD that is not served now is not followed until the next start.
+    try:
+        if await client.serves(*reconcile.SERVICE_MONITORS):
+            return frozenset()
+    except kube.ApiError:
+        pass  # not known: each pass applies them, which is right either way
+    return frozenset({"ServiceMonitor"})
 
 
 @kopf.on.cleanup(registry=registry)
@@ -119,14 +131,12 @@ async def deployment_event(
 
 
 # The other children: one deleted or edited by hand is applied again (the Secrets are followed
-# below). The listing at startup is left to every engine's resume.
+# below).
 @kopf.on.event(*_SERVICES, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_CONFIG_MAPS, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_PDBS, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_SERVICE_MONITORS, labels=_OWN_CHILDREN, registry=registry)
 async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    if type is None:
-        return
     try:
         await _follow_child(type, body, memo)
     except kube.ApiError as error:
@@ -135,7 +145,11 @@ async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger
 
 
 async def _follow_child(type: str | None, body: kopf.Body, memo: kopf.Memo) -> None:
-    if type == "DELETED":
+    if type is None:
+        # A listing: at startup every engine's resume applies its children anyway; after a
+        # watch reconnected, it shows what changed while none streamed.
+        await memo.reconciler.child_listed(body)
+    elif type == "DELETED":
         await memo.reconciler.child_deleted(body)
     else:
         await memo.reconciler.child_changed(body)
@@ -155,12 +169,12 @@ async def secret_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, engines_by_key_secret: kopf.Index,
     **_: Any,
 ) -> None:
-    if type is None:
-        return  # the listing at startup: every engine's resume reconciles it anyway
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
         if naming.owner_name(body) is not None:
             await _follow_child(type, body, memo)
+        if type is None:
+            return  # a listing: every engine's resume reads its tenants' keys anyway
         for engine in sorted(set(engines_by_key_secret.get((namespace, name), []))):
             await memo.reconciler.reconcile_current(namespace, engine)
     except kube.ApiError as error:

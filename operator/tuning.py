@@ -69,7 +69,9 @@ class PolicyTuning:
 
     async def _keep_start_policy(self, engine: Mapping[str, Any], policy: str) -> None:
         wanted = render.scheduling_config_map(engine, policy)
-        current = await self._reconciler.client.get(kube.path_of(wanted))
+        if self._reconciler.as_applied(wanted):
+            return  # its watch would have said if it changed since
+        current = await self._reconciler.read_child(kube.path_of(wanted))
         if current is None or current.get("data") != wanted["data"]:
             await self._reconciler.apply_child(wanted)
 
