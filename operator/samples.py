@@ -76,13 +76,35 @@ def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
     model name, or finish reason) are summed."""
     values: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(_wanted_lines(text)):
             for sample in family.samples:
                 if sample.name in METRICS or sample.name == REQUESTS_FINISHED:
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
     except (ValueError, TypeError, IndexError) as error:
         return Problem(INVALID, f"pod {pod}: /metrics is not Prometheus text ({error})")
     return checked(pod, values, observed_at)
+
+
+# The families a sample is made of (a counter's family name has no _total). The parser would take
+# some 5 ms of CPU for an engine's whole page, most of it histogram buckets, per pod and interval:
+# a fleet's worth of that on the loop delays the reads that time out meanwhile.
+_WANTED_FAMILIES = (*METRICS, REQUESTS_FINISHED.removesuffix("_total"))
+# What a line of the text format starts with: a metric name and its labels or value, a comment, or
+# nothing. An HTML error page starts otherwise.
+_TEXT_FORMAT_LINE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ \t]|#|\s*$")
+
+
+def _wanted_lines(text: str) -> str:
+    """The lines of the wanted families' samples and metadata, for the parser; ValueError for a
+    line that is no text-format line at all."""
+    kept = []
+    for line in text.splitlines():
+        named = line[len("# HELP "):] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if named.startswith(_WANTED_FAMILIES):
+            kept.append(line)
+        elif not _TEXT_FORMAT_LINE.match(line):
+            raise ValueError(f"line {line[:40]!r}")
+    return "\n".join(kept) + "\n"
 
 
 def label_matcher(name: str, value: str) -> str:

@@ -28,6 +28,7 @@ TINY_ARGS = {
     # Against HEAD, which any checkout has (the default baseline is a fixed older commit).
     "async_scheduling.py": ["--num-prompts", "2", "--new-tokens", "2", "--repeats", "1"],
     "sim_scale.py": ["--slices", "minute", "--baseline", "HEAD", "--repeats", "1"],
+    "operator_page_read.py": ["--baseline", "HEAD", "--repeats", "1", "--calls", "2"],
     "scheduler_overhead.py": ["--baseline", "HEAD", "--running", "4", "8", "--steps", "3", "--repeats", "1"],
     "concurrency_throughput.py": ["--num-prompts", "3", "--new-tokens", "2", "--concurrencies", "2",
                                   "--repetitions", "2", "--threads", "1"],
@@ -41,7 +42,7 @@ TINY_ARGS = {
     "serving_sweep.py": ["--concurrencies", "1,2", "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
                          "--threads", "1"],
 }
-MODEL_FREE = {"kernels.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py"}
+MODEL_FREE = {"kernels.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
 # temporary folder, so that it never overwrites the committed results.
 WRITES_REPORT = {"concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py", "serving_sweep.py"}

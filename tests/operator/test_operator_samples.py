@@ -106,3 +106,13 @@ def test_query_answers_become_samples_per_pod() -> None:
 def test_malformed_answers_are_refused(bad: object) -> None:
     with pytest.raises(ValueError):
         samples.vector(bad)
+
+
+def test_only_the_wanted_families_are_parsed() -> None:
+    # A family whose name merely starts like a wanted one is another family; a broken line of a
+    # family the sample does not use is no reason to refuse the page's gauges.
+    page = engine_page(0.25, 1, 2) + "\n".join([
+        'vllm:num_requests_waiting_by_priority{priority="0"} 9',
+        'vllm:e2e_request_latency_seconds_bucket{le="1" 3',
+    ]) + "\n"
+    assert samples.from_page("p", page, 0.0) == samples.PodSample("p", 0.25, 1, 2, 0.0, num_finished=0.0)
