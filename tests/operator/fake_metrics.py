@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -57,13 +58,7 @@ class FakeMetrics:
         if pod not in self.pods:
             return web.Response(status=404, text="no such pod")
         gauges = self.pods[pod]
-        page = ServerMetrics("qwen", 16, 100)
-        page.kv_cache_usage.set(gauges.kv)
-        page.num_requests_waiting.set(gauges.waiting)
-        page.num_requests_running.set(gauges.running)
-        # The engine's page counts finished requests per reason from 0; these all stopped.
-        text = re.sub(r'^(vllm:request_success_total\{[^}]*finished_reason="stop"[^}]*\}) 0\.0$',
-                      rf"\g<1> {gauges.finished}.0", page.render().decode(), flags=re.MULTILINE)
+        text = _engine_page(gauges.kv, gauges.waiting, gauges.running, gauges.finished)
         return web.Response(text=text, content_type="text/plain")
 
     async def _query(self, request: web.Request) -> web.Response:
@@ -86,6 +81,20 @@ class FakeMetrics:
             values = {pod: getattr(self.pods[pod], field_of) for pod in pods}
         return web.json_response({"status": "success", "data": {"resultType": "vector", "result": [
             {"metric": {"pod": pod}, "value": [time.time(), str(value)]} for pod, value in values.items()]}})
+
+
+# Rendering the engine's whole page (some 300 samples) costs milliseconds of CPU, and the fake
+# pods answer on the operator's own event loop, within its read timeout (a third of the tests'
+# 1 s interval): on a loaded machine, rendering per request timed reads out. Once per reading.
+@functools.lru_cache(maxsize=64)
+def _engine_page(kv: float, waiting: int, running: int, finished: int) -> str:
+    page = ServerMetrics("qwen", 16, 100)
+    page.kv_cache_usage.set(kv)
+    page.num_requests_waiting.set(waiting)
+    page.num_requests_running.set(running)
+    # The engine's page counts finished requests per reason from 0; these all stopped.
+    return re.sub(r'^(vllm:request_success_total\{[^}]*finished_reason="stop"[^}]*\}) 0\.0$',
+                  rf"\g<1> {finished}.0", page.render().decode(), flags=re.MULTILINE)
 
 
 @contextlib.asynccontextmanager
