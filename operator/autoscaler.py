@@ -233,27 +233,31 @@ def _backlog_work(policy: Policy, used: Mapping[str, samples.PodSample], memory:
     since its last reading; beyond the window both shrink in proportion, which forgets the oldest."""
     finished, seconds = memory.backlog_finished, memory.backlog_seconds
     for pod, sample in used.items():
-        before = memory.pods.get(pod)
-        if (sample.num_waiting <= policy.target_queue_depth or before is None
-                or sample.num_finished is None or before.num_finished is None):
-            continue
-        elapsed, done = sample.observed_at - before.observed_at, sample.num_finished - before.num_finished
-        if elapsed > 0 and done >= 0:  # done < 0: a restarted engine's counter
-            finished, seconds = finished + done, seconds + elapsed
+        progress = _progress(sample, memory.pods.get(pod))
+        if sample.num_waiting > policy.target_queue_depth and progress is not None:
+            finished, seconds = finished + progress[1], seconds + progress[0]
     if seconds > CAPACITY_WINDOW_SECONDS:
         finished, seconds = finished * CAPACITY_WINDOW_SECONDS / seconds, CAPACITY_WINDOW_SECONDS
     return finished, seconds
 
 
-def _rates(sample: samples.PodSample, before: samples.PodSample | None) -> tuple[float, float] | None:
-    """(completed, arrived) requests per second at the pod since `before`: from its finished
-    counter, and that plus its queue's growth. None when unknown (no earlier reading, no counter,
-    nothing finished, or the counter went back: a restarted engine)."""
+def _progress(sample: samples.PodSample, before: samples.PodSample | None) -> tuple[float, float] | None:
+    """(seconds, requests finished) at the pod since `before`; None when unknown (no earlier
+    reading, no counter, no time passed, or the counter went back: a restarted engine)."""
     if before is None or sample.num_finished is None or before.num_finished is None:
         return None
     elapsed, done = sample.observed_at - before.observed_at, sample.num_finished - before.num_finished
-    if elapsed <= 0 or done <= 0:
+    return (elapsed, done) if elapsed > 0 and done >= 0 else None
+
+
+def _rates(sample: samples.PodSample, before: samples.PodSample | None) -> tuple[float, float] | None:
+    """(completed, arrived) requests per second at the pod since `before`: from its finished
+    counter, and that plus its queue's growth. None when unknown (see _progress) or when nothing
+    finished."""
+    progress = _progress(sample, before)
+    if progress is None or progress[1] == 0:
         return None
+    elapsed, done = progress
     completed = done / elapsed
     return completed, max(0.0, completed + (sample.num_waiting - before.num_waiting) / elapsed)
 

@@ -275,10 +275,10 @@ class _ServerThread(threading.Thread):
 
 
 @contextlib.asynccontextmanager
-async def reconciler_alone() -> AsyncIterator[reconcile.Reconciler]:
-    """The operator's Reconciler without kopf, for a test that calls it itself."""
+async def reconciler_alone(**options: Any) -> AsyncIterator[reconcile.Reconciler]:
+    """The operator's Reconciler without kopf (made with `options`), for a test that calls it itself."""
     with posted_events():
-        reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()))
+        reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()), **options)
         try:
             yield reconciler
         finally:

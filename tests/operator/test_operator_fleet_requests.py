@@ -14,14 +14,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kopf
 import pytest
 
 from fake_metrics import fake_metrics
 from fake_pods import FakePod, serving
-from kvpilot.operator import control, kube, reconcile
+from kvpilot.operator import control, reconcile
 from operator_harness import (
-    NAMESPACE, SPEC, TEST_CLIENT, Cluster, cluster, key, posted_events, run,
+    NAMESPACE, SPEC, TEST_CLIENT, Cluster, cluster, key, reconciler_alone, run,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,16 +61,11 @@ def requests(k: Cluster, since: int) -> collections.Counter[str]:
 
 @contextlib.asynccontextmanager
 async def fleet(tmp_path: Path, clock: Clock) -> AsyncIterator[tuple[Cluster, reconcile.Reconciler]]:
-    async with cluster(tmp_path, service_monitors=True) as k:
-        with posted_events():
-            reconciler = reconcile.Reconciler(kube.Kube(kopf.OperatorSettings()), clock=clock)
-            try:
-                await k.create_secret("prod-key", {"api-key": key("sk-prod")})
-                for name in ENGINES:
-                    await k.create_engine(name, FLEET_SPEC)
-                yield k, reconciler
-            finally:
-                await reconciler.client.close()
+    async with cluster(tmp_path, service_monitors=True) as k, reconciler_alone(clock=clock) as reconciler:
+        await k.create_secret("prod-key", {"api-key": key("sk-prod")})
+        for name in ENGINES:
+            await k.create_engine(name, FLEET_SPEC)
+        yield k, reconciler
 
 
 async def pass_over_the_fleet(k: Cluster, reconciler: reconcile.Reconciler) -> collections.Counter[str]:
