@@ -1,28 +1,35 @@
 """Publishes the engine's KV-cache events to routers, from a thread that never holds up a step.
 
-The step loop hands each step's events to `publish`, which only queues them. The publisher
-thread numbers and sends them on a PUB socket, and answers snapshot requests on a ROUTER (replay)
-socket with the whole cache at the latest seq sent: `[AllBlocksCleared, BlockStored(every cached
-hash)]`. It knows the cache from a mirror of what it sent, so it never reads the block pool,
-which belongs to the step loop. The first batch (seq 0) is `[AllBlocksCleared]`: a router that
-followed an earlier life of this engine sees its seq restart and resnapshots.
+The step loop hands each step's events to `publish`, which only appends them to a bounded queue.
+The publisher thread wakes every BATCH_INTERVAL_S, sends what the steps queued since as one
+numbered batch on a PUB socket, and answers snapshot requests on a ROUTER (replay) socket with
+the whole cache at the latest seq sent: `[AllBlocksCleared, BlockStored(every cached hash)]`. It
+knows the cache from a mirror of what it sent, so it never reads the block pool, which belongs to
+the step loop. The first batch (seq 0) is `[AllBlocksCleared]`: a router that followed an earlier
+life of this engine sees its seq restart and resnapshots. Each new subscription is answered with
+an empty batch: once a subscriber has received a batch, it receives every later one, so it asks
+for its snapshot then and misses nothing (a PUB socket drops what it sends before a subscription
+reaches it, and nothing would tell the subscriber).
+
+Why a ticking thread rather than one woken per step: a wake costs the step loop a socket send
+and a switch of the GIL every step; a tick costs it nothing, and one batch per tick is what a
+router needs (it learns of a step's blocks at most one interval late). An idle engine's thread
+wakes as often, to find nothing.
 
 Replay protocol (vLLM's, so that its subscribers work too): a request is `[b"", anything]` from a
 DEALER or REQ socket; the reply is `[b"", seq, payload]`, then `[b"", END_OF_REPLAY, b""]`.
 
 When the queue is full (the thread is starved of CPU), the step's events are dropped and the
-next batch that fits carries the whole cache instead, read from the pool on the step loop's own
+next events queued are the whole cache instead, read from the pool on the step loop's own
 thread: subscribers and the mirror come out exact without a resnapshot.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import msgspec
@@ -42,14 +49,13 @@ from kvpilot.runtime.core.kv_events import (
 
 logger = logging.getLogger(__name__)
 
+BATCH_INTERVAL_S = 0.01
 # How long closing waits for the thread to send what is queued.
 CLOSE_TIMEOUT_S = 2.0
 
-_wake_addresses = itertools.count()
-
 
 class KVEventPublisher:
-    """`publish` and `close` are called from one thread, the step loop's; neither blocks on I/O.
+    """`publish` and `close` are called from one thread, the step loop's; neither blocks.
 
     The sockets are bound on construction, so that an address in use fails the engine's start.
     """
@@ -59,17 +65,17 @@ class KVEventPublisher:
         self.block_size = block_size
         self._cached_block_hashes = cached_block_hashes
         self._topic = config.topic.encode()
-        self._queue: queue.Queue[list[KVCacheEvent] | None] = queue.Queue(config.max_queue_size)
+        # Appended by the step loop, popped by the thread: a deque's ends need no lock.
+        self._queue: deque[list[KVCacheEvent]] = deque()
+        self._max_queue_size = config.max_queue_size
         self._lost_events = False
+        self._closing = threading.Event()
         # A context of its own, so that closing it ends exactly these sockets.
         self._context = zmq.Context()
-        self._pub = self._bound(zmq.PUB, config.endpoint, hwm=config.hwm)
+        self._pub = self._bound(zmq.XPUB, config.endpoint, hwm=config.hwm)
+        # Every subscription, also to a topic already subscribed to, is one to answer.
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._replay = self._bound(zmq.ROUTER, config.replay_endpoint)
-        # The step loop wakes the thread through a socket, so that one poll waits for both.
-        wake_address = f"inproc://kv-events-wake-{next(_wake_addresses)}"
-        self._wake_receiver = self._bound(zmq.PAIR, wake_address)
-        self._wake = self._context.socket(zmq.PAIR)
-        self._wake.connect(wake_address)
         # The publisher thread's own: the last seq sent, and the cache as the batches sent so far say.
         self._seq = -1
         self._mirror: set[BlockHash] = set()
@@ -90,8 +96,8 @@ class KVEventPublisher:
         return socket
 
     def publish(self, events: list[KVCacheEvent]) -> None:
-        # Only this thread puts, so room seen here is still there at the put.
-        if self._queue.full():
+        # Only this thread appends, so room seen here is still there at the append.
+        if len(self._queue) >= self._max_queue_size:
             if not self._lost_events:
                 logger.warning("kv events: the publisher thread is behind; the next batch carries the whole cache")
             self._lost_events = True
@@ -99,43 +105,45 @@ class KVEventPublisher:
         if self._lost_events:
             events = whole_cache(self._cached_block_hashes(), self.block_size)
             self._lost_events = False
-        self._queue.put_nowait(events)
-        self._wake_thread()
+        self._queue.append(events)
 
     def close(self) -> None:
-        """Send what is queued (for at most CLOSE_TIMEOUT_S), then unbind."""
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=CLOSE_TIMEOUT_S)
-        self._wake_thread()
+        """Send what is queued (waiting at most CLOSE_TIMEOUT_S), then unbind."""
+        self._closing.set()
         self._thread.join(CLOSE_TIMEOUT_S)
-        self._wake.close()
         self._context.destroy(linger=0)
-
-    def _wake_thread(self) -> None:
-        try:
-            self._wake.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # wakes it has not read yet are enough: it empties the whole queue on each
 
     def _serve(self) -> None:
         self._send([AllBlocksCleared()])
         poller = zmq.Poller()
-        poller.register(self._wake_receiver, zmq.POLLIN)
+        poller.register(self._pub, zmq.POLLIN)
         poller.register(self._replay, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
-            if self._wake_receiver in ready:
-                while self._wake_receiver.poll(0):
-                    self._wake_receiver.recv()
-                while not self._queue.empty():
-                    events = self._queue.get_nowait()
-                    if events is None:
-                        return
-                    self._send(events)
+            closing = self._closing.is_set()
+            if self._queue:
+                self._send(self._take_queued())
+            if closing:
+                return
+            ready = dict(poller.poll(BATCH_INTERVAL_S * 1000))
+            if self._pub in ready and self._someone_subscribed():
+                self._send([])
             if self._replay in ready:
                 snapshot = self._encoder.encode(KVEventBatch(time.time(), whole_cache(self._mirror, self.block_size)))
                 while self._replay.poll(0):
                     self._answer_snapshot(self._replay.recv_multipart(), snapshot)
+
+    def _someone_subscribed(self) -> bool:
+        subscribed = False
+        while self._pub.poll(0):
+            # b"\x01" + topic subscribes, b"\x00" + topic unsubscribes.
+            subscribed |= self._pub.recv().startswith(b"\x01")
+        return subscribed
+
+    def _take_queued(self) -> list[KVCacheEvent]:
+        events = []
+        for _ in range(len(self._queue)):
+            events.extend(self._queue.popleft())
+        return events
 
     def _send(self, events: list[KVCacheEvent]) -> None:
         self._seq += 1

@@ -1,8 +1,9 @@
 """One replica's prefix cache as a router sees it: the block hashes its engine holds, kept current
 from the engine's KV-cache events (runtime/core/kv_events.py has the wire format).
 
-The index subscribes first, then asks the replay socket for a snapshot, applies it, and applies
-the batches that follow it, dropping those the snapshot already covers. A sequence gap (a batch
+The index subscribes first, and waits for the batch the engine answers a subscription with: from
+then on no batch can miss it. Then it asks the replay socket for a snapshot, applies it, and
+applies the batches that follow it, dropping those the snapshot already covers. A sequence gap (a batch
 lost to a slow subscriber, or a restarted engine counting from 0 again), a message it cannot
 decode, or a replay socket that does not answer each cost one log line and a new snapshot,
 after a backoff that grows while nothing works.
@@ -94,6 +95,9 @@ class ReplicaKVIndex:
         subscriber = self._socket(zmq.SUB, self.publisher_url)
         subscriber.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
+            # Not a batch in time (an engine down, or one that does not answer subscriptions): go on,
+            # a batch missed meanwhile shows as a gap at the next one.
+            await subscriber.poll(self.snapshot_timeout_s * 1000)
             while True:
                 try:
                     await self._snapshot(subscriber)
