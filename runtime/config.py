@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ class Setting:
     arg: str | None = None
     # How a flag's text becomes the value, where calling the type on it cannot (a JSON object);
     # raises ValueError saying what is wrong.
-    parse: Any = None
+    parse: Callable[[str], Any] | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not allowed, or None. Phrased to follow the setting's or flag's name."""

@@ -105,6 +105,9 @@ class ReplicaKVIndex:
                 except (_LostSync, zmq.ZMQError) as lost:
                     self.synced = False
                     logger.warning("kv index %s: %s; resnapshotting in %.2f s", self.name, lost, self._retry_delay_s)
+                except Exception:  # noqa: BLE001 - a bug here must cost this replica's routing hints, not the router
+                    self.synced = False
+                    logger.exception("kv index %s: failed; resnapshotting in %.2f s", self.name, self._retry_delay_s)
                 await asyncio.sleep(self._retry_delay_s)
                 self._retry_delay_s = min(2 * self._retry_delay_s, MAX_RETRY_DELAY_S)
                 self.resnapshots += 1

@@ -27,7 +27,8 @@ def publishing_server(tiny_llama_dir, tmp_path_factory) -> ServerProcess:
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{_free_port()}",
               "replay_endpoint": f"tcp://127.0.0.1:{_free_port()}", "topic": "kv-events"}
     process = start_server(tiny_llama_dir, tmp_path_factory.mktemp("kv-events-server"), "--api-key", SERVER_API_KEY,
-                           "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE), "--kv-events-config", json.dumps(config))
+                           "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE),
+                           "--kv-events-config", json.dumps(config))
     yield process
     process.stop()
 
