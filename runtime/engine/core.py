@@ -11,8 +11,8 @@ step N+1; that token is not its own and is dropped. Torch releases the GIL in it
 the scheduling overlaps the model even on a CPU.
 
 With KV-cache events on (--kv-events-config), what a step stored in and evicted from the prefix
-cache is handed to the publisher's thread at the end of the step, and what an abort or a reset
-changed at the end of that call.
+cache is queued for the publisher's thread at the end of the step, and what an abort or a reset
+changed at the end of that call (engine/kv_event_publisher.py).
 """
 
 from __future__ import annotations

@@ -182,3 +182,12 @@ async def test_a_router_joining_while_batches_flow_ends_up_exact_without_a_resna
             await until(holds(index, hashes))
             # The index asked for its snapshot once its subscription was answered: no batch fell between.
             assert index.resnapshots == 0
+
+
+async def test_an_engine_hashing_other_block_sizes_is_never_synced(caplog) -> None:
+    config = loopback_config()
+    with publishing(config):
+        async with following(config, BLOCK_SIZE // 2) as index:
+            await until(lambda: index.bad_messages >= 1)
+            assert not index.synced
+    assert "received blocks of 16 tokens, where the router hashes 8" in caplog.text
