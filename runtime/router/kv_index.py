@@ -3,9 +3,9 @@ from the engine's KV-cache events (runtime/core/kv_events.py has the wire format
 
 The index subscribes first, and waits for the batch the engine answers a subscription with: from
 then on no batch can miss it. Then it asks the replay socket for a snapshot, applies it, and
-applies the batches that follow it, dropping those the snapshot already covers. A sequence gap (a batch
-lost to a slow subscriber, or a restarted engine counting from 0 again), a message it cannot
-decode, or a replay socket that does not answer each cost one log line and a new snapshot,
+applies the batches that follow it, dropping those the snapshot already covers. A sequence gap
+(a batch lost to a slow subscriber, or a restarted engine counting from 0 again), a message it
+cannot use, or a replay socket that does not answer each cost one log line and a new snapshot,
 after a backoff that grows while nothing works.
 """
 
@@ -38,10 +38,6 @@ MAX_RETRY_DELAY_S = 10.0
 
 class _LostSync(Exception):
     """Why the index no longer matches its replica; said in the one line logged for it."""
-
-
-class _BadMessage(_LostSync):
-    pass
 
 
 class ReplicaKVIndex:
@@ -192,9 +188,9 @@ class ReplicaKVIndex:
                 raise self._bad(f"blocks of {event.block_size} tokens, where the router hashes {self.block_size}")
         return number, batch
 
-    def _bad(self, what: str) -> _BadMessage:
+    def _bad(self, what: str) -> _LostSync:
         self.bad_messages += 1
-        return _BadMessage(f"received {what}")
+        return _LostSync(f"received {what}")
 
     @staticmethod
     def _receive_now(socket: zmq.asyncio.Socket) -> list[bytes] | None:
