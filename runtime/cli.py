@@ -280,6 +280,12 @@ def add_engine_flags(group: argparse._ArgumentGroup) -> None:
 
 def _checked(engine_setting: EngineSetting) -> Callable[[str], object]:
     def parse(text: str):
+        if engine_setting.description.parse is not None:
+            try:
+                return engine_setting.description.parse(text)
+            except ValueError as err:
+                # Said as it is: argparse would replace a ValueError's message with "invalid value".
+                raise argparse.ArgumentTypeError(str(err)) from None
         value = engine_setting.value_type(text)
         problem = engine_setting.description.problem(value)
         if problem is not None:

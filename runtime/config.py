@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class Setting:
     metavar: str | None = None
     # The EngineArgs keyword and flag name, where it differs from the field's (vLLM's names).
     arg: str | None = None
+    # How a flag's text becomes the value, where calling the type on it cannot (a JSON object);
+    # raises ValueError saying what is wrong.
+    parse: Callable[[str], Any] | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not allowed, or None. Phrased to follow the setting's or flag's name."""
@@ -202,6 +206,73 @@ def _scaling_part(rope_parameters: dict) -> dict | None:
     return rope_parameters
 
 
+KV_EVENT_PUBLISHERS = ("zmq", "null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config: whether the engine publishes what its prefix cache stores and
+    evicts (runtime/engine/kv_event_publisher.py), and on which sockets.
+
+    Both sockets are bound, where vLLM connects to a host that is not a wildcard: routers connect
+    to the engines they route to. vLLM's `buffer_steps` has no meaning here, as the replay socket
+    answers with the whole cache, never with past steps.
+    """
+
+    enable_kv_cache_events: bool = False
+    # vLLM's default: zmq once events are on, null (nothing published) otherwise.
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str = "tcp://*:5558"
+    topic: str = "kv-events"
+    # The PUB socket's send high-water mark, in batches: past it a slow subscriber loses batches,
+    # sees a sequence gap and asks for a snapshot.
+    hwm: int = 100_000
+    # Batches the engine's step loop may hand its publisher thread ahead of it.
+    max_queue_size: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        for name, hint in typing.get_type_hints(KVEventsConfig).items():
+            value, expected = getattr(self, name), _plain_type(hint)
+            # True is an int to Python, never a queue size to a user.
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ValueError(f"{name} must be {expected.__name__}, got {value!r}")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}, got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            if not getattr(self, name).startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a tcp:// or ipc:// address, got {getattr(self, name)!r}")
+        if self.endpoint == self.replay_endpoint:
+            raise ValueError(f"endpoint and replay_endpoint must differ, both are {self.endpoint!r}")
+        for name in ("hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        """The config a JSON object describes; ValueError naming the field that is wrong."""
+        try:
+            fields = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"not valid JSON: {err}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"must be a JSON object, got {text!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if "buffer_steps" in fields:
+            raise ValueError("buffer_steps does not apply: the replay socket answers with the whole cache, "
+                             "not with past steps")
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**fields)
+
+
 @dataclass
 class CacheConfig:
     """How the KV pool is laid out and how big it is: the first size setting that is set decides.
@@ -222,6 +293,11 @@ class CacheConfig:
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory the engine may use, weights and KV cache together",
         above=0.0, maximum=1.0, metavar="FRACTION")
+    kv_events_config: KVEventsConfig | None = setting(
+        None, "publish the hashes of the blocks the prefix cache stores and evicts, for a prefix-aware router; "
+        'a JSON object with vLLM\'s fields, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (default: off)',
+        metavar="JSON", parse=KVEventsConfig.from_json)
 
 
 @dataclass
@@ -309,10 +385,14 @@ def _engine_settings() -> tuple[EngineSetting, ...]:
             if "setting" not in f.metadata:
                 continue
             description: Setting = f.metadata["setting"]
-            # `int | None` is an int setting that may be left unset.
-            value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
-            settings.append(EngineSetting(description.arg or f.name, group, f.name, value_type, f.default, description))
+            settings.append(EngineSetting(description.arg or f.name, group, f.name, _plain_type(hints[f.name]),
+                                          f.default, description))
     return tuple(settings)
+
+
+def _plain_type(hint: Any) -> type:
+    """`int | None` is an int that may be left unset."""
+    return next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
 
 
 ENGINE_SETTINGS = _engine_settings()

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvpilot.runtime.core.hashing import BlockHash
+from kvpilot.runtime.core.kv_events import KVEventLog
 
 if TYPE_CHECKING:
     from kvpilot.runtime.request import Request
@@ -85,9 +86,13 @@ class BlockPool:
 
     A freed block keeps its hash and stays findable until it is popped for reuse (lazy eviction),
     so the free queue's order is also the eviction order.
+
+    With a `kv_events` log, every change to the hash map is recorded there too: hashes stored,
+    evicted, and the whole map cleared (core/kv_events.py). Without one, recording costs one
+    check per call, or per eviction.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, kv_events: KVEventLog | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is null), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -97,6 +102,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.kv_events = kv_events
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -117,6 +123,8 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self.cached_block_hash_to_block[block.block_hash]
+        if self.kv_events is not None:
+            self.kv_events.removed(block.block_hash)
         block.block_hash = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -146,6 +154,10 @@ class BlockPool:
                 continue
             blocks[i].block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = blocks[i]
+        if self.kv_events is not None:
+            # A duplicate skipped above is cached all the same (in the other request's block).
+            parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            self.kv_events.stored(request.block_hashes[num_cached_blocks:num_full_blocks], parent)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         for block in ordered_blocks:
@@ -163,6 +175,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def get_usage(self) -> float:

@@ -6,22 +6,28 @@ are cached, and `allocate_slots` takes those hits plus fresh blocks for the toke
 or nothing at all when they do not fit (the scheduler then preempts or stops admitting). Full
 blocks are published to the hash map as soon as they are scheduled. `free` gives every block
 back, tail first, and unpublishes any block the request never got to compute.
+
+With `enable_kv_cache_events`, the pool records what it stores and evicts, and `take_kv_events`
+hands the record over (core/kv_events.py).
 """
 
 from __future__ import annotations
 
 from kvpilot.runtime.core.block_pool import BlockPool, KVCacheBlock
-from kvpilot.runtime.core.hashing import extend_block_hashes
+from kvpilot.runtime.core.hashing import BlockHash, extend_block_hashes
+from kvpilot.runtime.core.kv_events import KVCacheEvent, KVEventLog
 from kvpilot.runtime.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.kv_events = KVEventLog(block_size) if enable_kv_cache_events else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the hash map (or were skipped
         # as duplicates), so each step hashes only the blocks that became full since.
@@ -139,3 +145,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """What the pool stored, evicted and cleared since the last call; [] with events off."""
+        return [] if self.kv_events is None else self.kv_events.drain()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return list(self.block_pool.cached_block_hash_to_block)

@@ -9,6 +9,10 @@ tokens counted as placeholders (the runner feeds each decode the token it sample
 step N's tokens are applied once it returns. A request that finished in step N still runs in
 step N+1; that token is not its own and is dropped. Torch releases the GIL in its kernels, so
 the scheduling overlaps the model even on a CPU.
+
+With KV-cache events on (--kv-events-config), what a step stored in and evicted from the prefix
+cache is queued for the publisher's thread at the end of the step, and what an abort or a reset
+changed at the end of that call (engine/kv_event_publisher.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.kv_cache_manager import KVCacheManager
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.core.sched.scheduler import Scheduler
+from kvpilot.runtime.engine.kv_event_publisher import KVEventPublisher
 from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.engine.validation import validate_request
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
@@ -49,8 +54,11 @@ class EngineCore:
         self.executor = create_executor(config, device or default_device())
         self.num_kv_blocks = self._num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
+        kv_events = config.cache.kv_events_config
+        publishes_kv_events = kv_events is not None and kv_events.publishes
         self.kv_cache_manager = KVCacheManager(
-            self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            enable_kv_cache_events=publishes_kv_events,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # A checkpoint may list several EOS tokens (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>,
@@ -72,6 +80,11 @@ class EngineCore:
                               if config.scheduler.async_scheduling else None)
         # Steps submitted to the model thread, oldest first, with the outputs they will return.
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # Last, so that a port in use fails the start only after everything else could start.
+        self.kv_event_publisher = (
+            KVEventPublisher(kv_events, config.cache.block_size, self.kv_cache_manager.cached_block_hashes)
+            if publishes_kv_events else None
+        )
 
     def _num_kv_blocks(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -114,14 +127,23 @@ class EngineCore:
         for request_id in request_ids:
             self._queue_times.pop(request_id, None)
             self._compiling.pop(request_id, None)
+        # Blocks published when scheduled but never computed were just evicted.
+        self._publish_kv_events()
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight still has outputs to deliver (or to drop) before the core is idle.
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        if self._model_thread is not None:
-            return self._step_async()
+        outputs = self._step_async() if self._model_thread is not None else self._step_sync()
+        self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None and (events := self.kv_cache_manager.take_kv_events()):
+            self.kv_event_publisher.publish(events)
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
         failed = self._check_compiled()
@@ -219,7 +241,9 @@ class EngineCore:
         self.scheduler.set_policy(policy)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def shutdown(self) -> None:
         if self._model_thread is not None:
@@ -228,6 +252,8 @@ class EngineCore:
             self._in_flight.clear()
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

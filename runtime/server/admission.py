@@ -22,8 +22,9 @@ from kvpilot.runtime.server.state import ServerState
 from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 
 # Answered whatever the state and without a key, so that probes and scrapes see the truth
-# while draining or dead.
-OBSERVATION_PATHS = frozenset({"/health", "/metrics", "/version"})
+# while draining or dead; /kv_events tells routers where this engine's cache events are published
+# (sockets that take no key either).
+OBSERVATION_PATHS = frozenset({"/health", "/metrics", "/version", "/kv_events"})
 # Guarded by the admin token instead of an API key (api_server.py checks it).
 ADMIN_PREFIX = "/admin/"
 # What a 429 (or a 503 for want of connections) tells the client to wait: a tenant's sequences,

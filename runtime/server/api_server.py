@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from kvpilot.runtime.config import KVEventsConfig
 from kvpilot.runtime.engine.async_llm import AsyncLLM
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.server.admission import AdmissionMiddleware
@@ -97,6 +98,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
     app.include_router(_openai_routes(serving, template, config.tools))
     app.include_router(_utility_routes(serving, template, state, metrics))
     app.include_router(_admin_routes(engine, config.admin_token, metrics))
+    app.include_router(_kv_events_routes(engine))
     return app
 
 
@@ -186,6 +188,26 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return router
+
+
+def _kv_events_routes(engine: AsyncLLM) -> APIRouter:
+    """kvpilot's discovery of the engine's KV-cache events, for routers (runtime/router/kv_index.py)."""
+    router = APIRouter()
+
+    @router.get("/kv_events")
+    async def kv_events() -> dict:
+        return kv_events_discovery(engine.config.cache.kv_events_config, engine.block_size)
+
+    return router
+
+
+def kv_events_discovery(config: KVEventsConfig | None, block_size: int) -> dict:
+    """Where the events are published, as configured (a router replaces a wildcard host with the
+    engine's); APIError 404 when they are not."""
+    if config is None or not config.publishes:
+        raise APIError(404, "this engine publishes no KV-cache events (see --kv-events-config)", code="not_found")
+    return {"endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint, "topic": config.topic,
+            "block_size": block_size}
 
 
 def _admin_routes(engine: AsyncLLM, admin_token: AdminToken | None, metrics: ServerMetrics) -> APIRouter:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -12,6 +13,7 @@ from kvpilot.runtime.config import (
     ENGINE_SETTINGS,
     CacheConfig,
     EngineArgs,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -112,3 +114,37 @@ def test_an_activation_the_mlp_does_not_compute_is_refused(tiny_llama_dir, edite
     gelu = str(edited_checkpoint(tiny_llama_dir, hidden_act="gelu"))
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         EngineArgs(model=gelu).create_engine_config()
+
+
+def test_kv_events_are_off_unless_a_config_turns_them_on():
+    assert EngineArgs(model="m").kv_events_config is None
+    assert not KVEventsConfig().publishes
+    assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
+    assert not KVEventsConfig(enable_kv_cache_events=True, publisher="null").publishes
+
+
+def test_the_kv_events_flag_takes_vllms_json(tiny_llama_dir):
+    args = _serve_parser().parse_args([str(tiny_llama_dir), "--kv-events-config", json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:6000",
+         "replay_endpoint": "tcp://*:6001", "topic": "kv@pod", "hwm": 10})])
+    assert args.kv_events_config == KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:6000",
+                                                   replay_endpoint="tcp://*:6001", topic="kv@pod", hwm=10)
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown field(s) endpont; known: "),
+    ('{"publisher": "kafka"}', "publisher must be one of zmq, null, got 'kafka'"),
+    ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events must be bool, got 'yes'"),
+    ('{"hwm": true}', "hwm must be int, got True"),
+    ('{"max_queue_size": 0}', "max_queue_size must be a positive integer, got 0"),
+    ('{"endpoint": "localhost:5557"}', "endpoint must be a tcp:// or ipc:// address, got 'localhost:5557'"),
+    ('{"replay_endpoint": "tcp://*:5557"}', "endpoint and replay_endpoint must differ"),
+    ('{"buffer_steps": 100}', "buffer_steps does not apply"),
+    ('["zmq"]', "must be a JSON object"),
+    ("{enable_kv_cache_events: true}", "not valid JSON"),
+])
+def test_a_bad_kv_events_config_is_a_usage_error_naming_the_field(capsys, config, message):
+    with pytest.raises(SystemExit) as exit_:
+        _serve_parser().parse_args(["--kv-events-config", config])
+    assert exit_.value.code == 2
+    assert f"argument --kv-events-config: {message}" in capsys.readouterr().err
