@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="An LLM engine in the shape of vLLM V1.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
+    _add_router(commands)
     add_bench(commands)
     add_simulate(commands)
     _add_make_tiny_model(commands)
@@ -189,28 +191,18 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("model_dir", metavar="MODEL", nargs="?",
                      help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     http = sub.add_argument_group("HTTP server")
-    http.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    http.add_argument("--port", type=port, default=8000, help="port to listen on")
+    _add_http_server_flags(http)
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model name clients send (default: MODEL as given, or SmolLM2-135M-Instruct)")
     http.add_argument("--generation-config", metavar="auto|vllm|PATH", default="auto",
                       help="sampling defaults: auto reads the model's generation_config.json, vllm ignores it, "
                            "PATH reads the one in that folder")
-    http.add_argument("--api-key", metavar="KEY",
-                      help=f"require `Authorization: Bearer KEY` on every route but /health, /version, /metrics "
-                           f"(default: ${API_KEY_ENV} if set)")
-    http.add_argument("--tenants-file", metavar="PATH", type=Path,
-                      help="tenants (YAML or JSON): API keys, priorities, limits; reloaded when it changes")
-    http.add_argument("--trust-tenant-header", action="store_true",
-                      help="let the X-Kvpilot-Tenant header name the tenant (behind a trusted gateway only)")
     http.add_argument("--admin-token-file", metavar="PATH", type=Path,
                       help="file holding the Bearer token for /admin/* (without it /admin/* is 404)")
     http.add_argument("--scheduling-policy-file", metavar="PATH", type=Path,
                       help="file naming the initial scheduling policy, read at start; overrides --scheduling-policy "
                            "(the operator keeps one current, so that a restarting pod starts with the policy its "
                            "engine runs now)")
-    http.add_argument("--shutdown-timeout", metavar="SECONDS", type=non_negative_float, default=30.0,
-                      help="on SIGTERM, how long requests in flight may run before they are aborted")
     _add_limit_flags(http)
     tools = sub.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -330,16 +322,11 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvpilot.runtime.models.generation_config import generation_defaults
     from kvpilot.runtime.models.default_model import DEFAULT_MODEL_NAME, DefaultModelError, ensure_default_model
     from kvpilot.runtime.server.launcher import run_server
-    from kvpilot.runtime.server.tenants import TenantRegistry, TenantsFileError
     from kvpilot.runtime.server.tool_use import ToolSettings
 
     # Everything a user can get wrong is checked before the (slow) engine starts.
-    tenants = admin_token = None
-    if args.tenants_file is not None:
-        try:
-            tenants = TenantRegistry(args.tenants_file)
-        except TenantsFileError as err:
-            parser.error(f"argument --tenants-file: {err}")
+    admin_token = None
+    tenants = _tenants(args, parser)
     if args.admin_token_file is not None:
         try:
             admin_token = AdminToken(args.admin_token_file)
@@ -380,6 +367,157 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (RuntimeError, ValueError) as err:
         # The engine or the tokenizer failed to load; the message says why.
         print(f"kvpilot serve: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _add_http_server_flags(group: argparse._ArgumentGroup) -> None:
+    """What `serve` and `router` both take: where to listen, who may call, and how to stop."""
+    group.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    group.add_argument("--port", type=port, default=8000, help="port to listen on")
+    group.add_argument("--api-key", metavar="KEY",
+                       help=f"require `Authorization: Bearer KEY` on every route but /health, /version, /metrics "
+                            f"(default: ${API_KEY_ENV} if set)")
+    group.add_argument("--tenants-file", metavar="PATH", type=Path,
+                       help="tenants (YAML or JSON): API keys, priorities, limits; reloaded when it changes")
+    group.add_argument("--trust-tenant-header", action="store_true",
+                       help="let the X-Kvpilot-Tenant header name the tenant (behind a trusted gateway only)")
+    group.add_argument("--cache-salt-secret-file", metavar="PATH", type=Path,
+                       help="file holding the secret tenants' cache salts are keyed with; the engines and the "
+                            "routers of one fleet must share it, so that a router hashes prompts as the engines do "
+                            "(default: a random secret per process)")
+    group.add_argument("--shutdown-timeout", metavar="SECONDS", type=non_negative_float, default=30.0,
+                       help="on SIGTERM, how long requests in flight may run before they are aborted")
+
+
+def _tenants(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The tenant registry of --tenants-file, keyed with --cache-salt-secret-file; None without tenants."""
+    from kvpilot.runtime.server.tenants import TenantRegistry, TenantsFileError
+
+    if args.tenants_file is None:
+        if args.cache_salt_secret_file is not None:
+            parser.error("argument --cache-salt-secret-file: needs --tenants-file (the secret keys tenants' salts)")
+        return None
+    secret = None
+    if args.cache_salt_secret_file is not None:
+        try:
+            secret = args.cache_salt_secret_file.read_bytes().strip()
+        except OSError as err:
+            parser.error(f"argument --cache-salt-secret-file: {args.cache_salt_secret_file}: {err.strerror}")
+        if not secret:
+            parser.error(f"argument --cache-salt-secret-file: {args.cache_salt_secret_file} is empty")
+    try:
+        return TenantRegistry(args.tenants_file, salt_secret=secret)
+    except TenantsFileError as err:
+        parser.error(f"argument --tenants-file: {err}")
+
+
+def _add_router(commands: argparse._SubParsersAction) -> None:
+    # picking.py is stdlib only; the router's app (aiohttp, the server stack) loads per call.
+    from kvpilot.runtime.router.picking import DEFAULT_BOUNDED_LOAD_FACTOR, RoutingStrategy
+
+    sub = commands.add_parser(
+        "router",
+        help="route OpenAI API requests over engine replicas (prefix- and load-aware)",
+        description="Serve the OpenAI-compatible API of `kvpilot serve` in front of its replicas: pick a replica per "
+                    "request by the prompt blocks its KV cache holds and its load, hold requests while no replica is "
+                    "ready, fail over before the first byte, and resume greedy or seeded streams when a replica dies. "
+                    "MODEL (a Hugging Face folder or a .gguf file) gives the tokenizer and chat template only.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    sub.add_argument("model_dir", metavar="MODEL", nargs="?",
+                     help="the served model's folder or .gguf file, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    sub.add_argument("--tokenizer", metavar="PATH", help="take the tokenizer and chat template from here instead")
+    backends = sub.add_argument_group("replicas (exactly one source)").add_mutually_exclusive_group(required=True)
+    backends.add_argument("--backend", metavar="URL", action="append", type=_backend_url,
+                          help="a replica's root URL, such as http://10.0.0.7:8000 (repeat for more)")
+    backends.add_argument("--backends-file", metavar="FILE", type=Path,
+                          help="a file of replica URLs, one a line; re-read when it changes")
+    routing = sub.add_argument_group("routing")
+    routing.add_argument("--routing-strategy", choices=[s.value for s in RoutingStrategy],
+                         default=RoutingStrategy.PREFIX_AWARE.value,
+                         help="prefix-aware: the replica holding most of the prompt's leading blocks, within the "
+                              "load bound; least-loaded; round-robin")
+    routing.add_argument("--bounded-load-factor", metavar="F", type=_load_factor, default=DEFAULT_BOUNDED_LOAD_FACTOR,
+                         help="a replica above F x the fleet's mean load gets no prefix-sticky request")
+    routing.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                         help="ignore the replicas' KV-cache events (prefix-aware then hashes each prompt's first "
+                              "block onto the replicas)")
+    routing.add_argument("--hold-timeout", metavar="SECONDS", type=non_negative_float, default=60.0,
+                         help="how long a request waits for a ready replica before a 503 with Retry-After")
+    routing.add_argument("--max-held-requests", metavar="N", type=positive_int, default=1024,
+                         help="requests that may wait for a ready replica at once; more get a 503 at once")
+    http = sub.add_argument_group("HTTP server")
+    _add_http_server_flags(http)
+    http.add_argument("--peers-file", metavar="FILE", type=Path,
+                      help="the fleet's routers, one URL a line, re-read when it changes: each tenant's "
+                           "maxConcurrentRequests is shared out among them (needs --advertise-url)")
+    http.add_argument("--advertise-url", metavar="URL", type=_backend_url,
+                      help="this router's URL as the peers file lists it")
+    http.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                      help="debug logs every pick with each replica's scores")
+    _add_limit_flags(http)
+    sub.set_defaults(handler=_router, subparser=sub)
+
+
+def _backend_url(text: str) -> str:
+    from kvpilot.runtime.router.backends import backend_url
+
+    try:
+        return backend_url(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _load_factor(text: str) -> float:
+    value = float(text)
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be at least 1.0 (the mean load itself), got {text}")
+    return value
+
+
+def _router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.model_dir is not None and (problem := _missing_model(args.model_dir)):
+        parser.error(f"argument MODEL: {problem}")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.trust_tenant_header and (args.tenants_file is None or api_key is None):
+        parser.error("argument --trust-tenant-header: needs --tenants-file and --api-key")
+    from kvpilot.runtime.models.default_model import DefaultModelError, ensure_default_model
+    from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
+    from kvpilot.runtime.router.app import RouterConfig
+    from kvpilot.runtime.router.backends import static_backends, watch_url_file
+    from kvpilot.runtime.router.launcher import run_router
+    from kvpilot.runtime.router.picking import RoutingStrategy
+    from kvpilot.runtime.router.proxy import RouterSettings
+
+    tenants = _tenants(args, parser)
+    if args.peers_file is not None and (args.advertise_url is None or tenants is None):
+        parser.error("argument --peers-file: needs --advertise-url (this router, as the file lists it) and "
+                     "--tenants-file (the limits it shares out)")
+    try:
+        model = args.model_dir or str(ensure_default_model())
+        tokenizer, tokenizer_config = load_tokenizer(model, args.tokenizer)
+    except (DefaultModelError, ValueError, OSError) as err:
+        print(f"kvpilot router: error: {err}", file=sys.stderr)
+        return 1
+    if args.backend:
+        backends = static_backends(args.backend)
+    else:
+        backends = functools.partial(watch_url_file, args.backends_file)
+    limits = ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)})
+    config = RouterConfig(
+        settings=RouterSettings(RoutingStrategy(args.routing_strategy), args.bounded_load_factor, args.hold_timeout,
+                                limits),
+        backends=backends, tokenizer=tokenizer, tokenizer_config=tokenizer_config, kv_events=args.kv_events,
+        max_held_requests=args.max_held_requests, api_key=api_key, tenants=tenants,
+        trust_tenant_header=args.trust_tenant_header,
+        peers=None if args.peers_file is None else functools.partial(watch_url_file, args.peers_file, kind="router"),
+        own_url=args.advertise_url,
+    )
+    try:
+        return run_router(config, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                          log_level=args.log_level)
+    except RuntimeError as err:
+        print(f"kvpilot router: error: {err}", file=sys.stderr)
         return 1
 
 

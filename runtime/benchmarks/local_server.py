@@ -42,8 +42,9 @@ def local_server(model_dir: str, *flags: str, env: dict[str, str] | None = None)
 
 
 @contextlib.contextmanager
-def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | None = None) -> Iterator[list[str]]:
-    """One `kvpilot serve` per flag set, all started at once (their start-ups overlap); yields
+def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | None = None,
+                  subcommand: str = "serve") -> Iterator[list[str]]:
+    """One `kvpilot serve` (or `kvpilot router`: `subcommand`) per flag set, all started at once (their start-ups overlap); yields
     their base URLs, in order, once every one is healthy. An exception or SystemExit from the
     caller's block is re-raised with each server's log (its path, whether it is still alive, its
     last lines)."""
@@ -53,10 +54,10 @@ def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | N
     try:
         for flags in flag_sets:
             port = _free_port()
-            log = log_dir / f"serve-{port}.log"
+            log = log_dir / f"{subcommand}-{port}.log"
             with log.open("wb") as sink:  # the child keeps its own descriptor
                 servers.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvpilot.runtime.cli", "serve", model_dir, "--host", "127.0.0.1",
+                    [sys.executable, "-m", "kvpilot.runtime.cli", subcommand, model_dir, "--host", "127.0.0.1",
                      "--port", str(port), *flags],
                     stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                 ))
@@ -64,13 +65,13 @@ def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | N
             logs.append(log)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for server, base_url, log in zip(servers, urls, logs):
-            _wait_healthy(server, base_url, log, deadline)
+            _wait_healthy(subcommand, server, base_url, log, deadline)
         try:
             yield urls
         except SystemExit as error:  # its message is all Python prints of it
-            raise SystemExit(f"{error.code}\n{_reports(servers, logs)}") from None
+            raise SystemExit(f"{error.code}\n{_reports(subcommand, servers, logs)}") from None
         except Exception as error:
-            error.add_note(_reports(servers, logs))
+            error.add_note(_reports(subcommand, servers, logs))
             raise
         failed = False
     finally:
@@ -82,7 +83,7 @@ def local_servers(model_dir: str, *flag_sets: list[str], env: dict[str, str] | N
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _wait_healthy(server: subprocess.Popen, base_url: str, log: Path, deadline: float) -> None:
+def _wait_healthy(subcommand: str, server: subprocess.Popen, base_url: str, log: Path, deadline: float) -> None:
     while True:
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
@@ -90,18 +91,18 @@ def _wait_healthy(server: subprocess.Popen, base_url: str, log: Path, deadline: 
         except httpx.TransportError:
             pass
         if server.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server at {base_url} did not start\n{_report(server, log)}")
+            raise SystemExit(f"the server at {base_url} did not start\n{_report(subcommand, server, log)}")
         time.sleep(0.5)
 
 
-def _reports(servers: list[subprocess.Popen], logs: list[Path]) -> str:
-    return "\n".join(_report(server, log) for server, log in zip(servers, logs))
+def _reports(subcommand: str, servers: list[subprocess.Popen], logs: list[Path]) -> str:
+    return "\n".join(_report(subcommand, server, log) for server, log in zip(servers, logs))
 
 
-def _report(server: subprocess.Popen, log: Path) -> str:
+def _report(subcommand: str, server: subprocess.Popen, log: Path) -> str:
     code = server.poll()
     state = "still running" if code is None else f"exited with status {code}"
     # uvicorn's access lines say only that earlier requests were answered.
     lines = [line for line in log.read_text(errors="replace").splitlines()
              if not ACCESS_LINE.match(line)][-LOG_TAIL_LINES:]
-    return "\n".join([f"kvpilot serve ({state}); its log: {log}", *(f"  | {line}" for line in lines)])
+    return "\n".join([f"kvpilot {subcommand} ({state}); its log: {log}", *(f"  | {line}" for line in lines)])

@@ -20,7 +20,7 @@ class RequestResult:
     error: str = ""
 
 
-def _percentiles(values: list[float], name: str, percentiles: tuple[int, ...]) -> dict[str, float]:
+def latency_summary(values: list[float], name: str, percentiles: tuple[int, ...]) -> dict[str, float]:
     """mean / median / pN of `values` in milliseconds (0 where there are none, as vLLM reports)."""
     ms = sorted(v * 1000 for v in values)
     summary = {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
@@ -48,10 +48,10 @@ def summarize(results: list[RequestResult], duration: float, percentiles: tuple[
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
-    summary |= _percentiles([r.ttft for r in done if r.ttft is not None], "ttft", percentiles)
-    summary |= _percentiles(tpot, "tpot", percentiles)
-    summary |= _percentiles([gap for r in done for gap in r.itl], "itl", percentiles)
-    summary |= _percentiles([r.e2e_latency for r in done], "e2el", percentiles)
+    summary |= latency_summary([r.ttft for r in done if r.ttft is not None], "ttft", percentiles)
+    summary |= latency_summary(tpot, "tpot", percentiles)
+    summary |= latency_summary([gap for r in done for gap in r.itl], "itl", percentiles)
+    summary |= latency_summary([r.e2e_latency for r in done], "e2el", percentiles)
     return summary
 
 

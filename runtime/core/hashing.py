@@ -31,13 +31,22 @@ def hash_block_tokens(
     return hashlib.sha256(encoded.encode("ascii")).digest()
 
 
+def hash_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str | None, *,
+                start: int = 0, parent: BlockHash | None = None) -> list[BlockHash]:
+    """The hashes of the full blocks of `token_ids` from block `start` on; `parent` is the hash of
+    block `start - 1`. The router hashes a prompt with this, as the engine does, to know which
+    replica holds its blocks."""
+    hashes = []
+    for i in range(start, len(token_ids) // block_size):
+        # Salting the first block is enough: the chain carries it into every later hash.
+        extra_keys = (cache_salt,) if i == 0 and cache_salt is not None else None
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Hash the full blocks of the request's tokens that have no hash yet."""
     hashes = request.block_hashes
-    tokens = request.all_token_ids
-    for i in range(len(hashes), len(tokens) // block_size):
-        # Salting the first block is enough: the chain carries it into every later hash.
-        extra_keys = (request.cache_salt,) if i == 0 and request.cache_salt is not None else None
-        parent = hashes[i - 1] if i > 0 else None
-        block = tokens[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block_tokens(parent, block, extra_keys))
+    hashes += hash_blocks(request.all_token_ids, block_size, request.cache_salt, start=len(hashes),
+                          parent=hashes[-1] if hashes else None)

@@ -51,8 +51,10 @@ class TenantSequences:
             raise bad_request(f"{n} sequences (n for each prompt) are more than tenant {self.tenant.name!r} may "
                               f"run at once ({limit}): lower n, or send fewer prompts", "n")
         if not self.tenants.try_admit(self.tenant, n):
+            local = self.tenants.local_limit(self.tenant)
+            share = "" if local == limit else f" here, where its share of the fleet's limit of {limit} is {local}"
             raise APIError(429, f"tenant {self.tenant.name!r} has {self.tenants.active(self.tenant.name)} "
-                                f"sequences in flight and its limit is {limit}: {n} more do not fit",
+                                f"sequences in flight{share or f' and its limit is {limit}'}: {n} more do not fit",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
         self.held += n
 

@@ -174,12 +174,7 @@ def _utility_routes(serving: Serving, template: ChatTemplate, state: ServerState
             body["reason"] = state.dead_reason
         return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
 
-    @router.get("/version")
-    async def server_version() -> dict:
-        try:
-            return {"version": version("kvpilot")}
-        except PackageNotFoundError:
-            return {"version": "unknown"}
+    router.add_api_route("/version", kvpilot_version, methods=["GET"])
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -208,6 +203,14 @@ def kv_events_discovery(config: KVEventsConfig | None, block_size: int) -> dict:
         raise APIError(404, "this engine publishes no KV-cache events (see --kv-events-config)", code="not_found")
     return {"endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint, "topic": config.topic,
             "block_size": block_size}
+
+
+async def kvpilot_version() -> dict:
+    """GET /version, on the server and the router."""
+    try:
+        return {"version": version("kvpilot")}
+    except PackageNotFoundError:
+        return {"version": "unknown"}
 
 
 def _admin_routes(engine: AsyncLLM, admin_token: AdminToken | None, metrics: ServerMetrics) -> APIRouter:

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,9 @@ class TenantRegistry:
         # tenant's salt in its own cache_salt field.
         self._salt_secret = salt_secret or secrets.token_bytes(32)
         self._active: dict[str, int] = {}
+        # What this process may run of a limit: all of it, or a router's share where several
+        # routers enforce one fleet-wide limit together (router/peers.py).
+        self.limit_share: Callable[[int], int] = lambda limit: limit
         config = load_tenants(path)
         self._apply(config, _stamp(config.files))
 
@@ -211,9 +215,14 @@ class TenantRegistry:
         """The tenant's sequence limit; the current config's, even for a Tenant looked up before a reload."""
         return self._by_name.get(tenant.name, tenant).max_concurrent_requests
 
-    def try_admit(self, tenant: Tenant, sequences: int = 1) -> bool:
-        """Take `sequences` of the tenant's limit (each of a request's n choices is one)."""
+    def local_limit(self, tenant: Tenant) -> int | None:
+        """The sequences this process may run for the tenant at once: its limit, or its share of it."""
         limit = self.limit(tenant)
+        return None if limit is None else self.limit_share(limit)
+
+    def try_admit(self, tenant: Tenant, sequences: int = 1) -> bool:
+        """Take `sequences` of the tenant's local limit (each of a request's n choices is one)."""
+        limit = self.local_limit(tenant)
         active = self._active.get(tenant.name, 0)
         if limit is not None and active + sequences > limit:
             return False

@@ -83,13 +83,14 @@ def sum_samples(samples: dict[tuple[str, tuple], float], name: str, **labels: st
                if sample_name == name and wanted <= set(sample_labels))
 
 
-def start_server(model_dir: Path | None, workdir: Path, *args: str, env: dict[str, str] | None = None
-                 ) -> ServerProcess:
-    """`kvpilot serve [model_dir] *args` on a free port, once its /health answers 200."""
-    port = _free_port()
-    log_path = workdir / f"server-{port}.log"
-    command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", *([] if model_dir is None else [str(model_dir)]),
-               "--host", "127.0.0.1", "--port", str(port), *args]
+def start_server(model_dir: Path | None, workdir: Path, *args: str, env: dict[str, str] | None = None,
+                 subcommand: str = "serve", port: int | None = None) -> ServerProcess:
+    """`kvpilot serve [model_dir] *args` (or another subcommand that serves HTTP, such as `router`) on
+    `port` (default: a free one), once its /health answers 200."""
+    port = port or _free_port()
+    log_path = workdir / f"{subcommand}-{port}.log"
+    command = [sys.executable, "-m", "kvpilot.runtime.cli", subcommand,
+               *([] if model_dir is None else [str(model_dir)]), "--host", "127.0.0.1", "--port", str(port), *args]
     env = {**os.environ, **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

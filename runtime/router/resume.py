@@ -1,0 +1,105 @@
+"""A stream followed event by event, so that another replica can go on where a dead one stopped.
+
+The router asks the engine for the token ids of what it streams (vLLM's `return_token_ids`) and
+keeps them. When the replica dies mid-stream, the same request goes to another replica with those
+tokens as `resume_token_ids`: the engine takes them as output already generated, samples on from
+them (a seeded request's random stream advanced past them) and streams only what follows. The
+client sees one stream: the resumed one's opening chunks are dropped, and its `id` and `created`
+are the first one's.
+
+Only a stream whose continuation is a function of its tokens so far resumes: greedy or seeded,
+one choice of one prompt, no tools, no grammar, no echo. Any other ends with an error event.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvpilot.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+DATA = b"data: "
+DONE = b"[DONE]"
+# The error code of the engine's own error event when its EngineCore dies (serving.engine_dead_error).
+ENGINE_DEAD = "engine_dead"
+
+
+class ReplicaLost(Exception):
+    """The replica's stream broke off before its end."""
+
+
+def why_not_resumable(body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """Why this streamed request could not continue on another replica with identical tokens; None if it can."""
+    if body.n != 1:
+        return "it has n > 1"
+    if isinstance(body, CompletionRequest):
+        if len(body.prompts) != 1:
+            return "it is a batch of prompts"
+        if body.echo:
+            return "it echoes its prompt"
+    elif body.tools:
+        return "it offers tools"
+    try:
+        constrained = body.structured_outputs_params()[0] is not None
+    except ValueError:
+        return "its structured outputs are invalid"
+    if constrained:
+        return "its output follows a grammar"
+    if body.seed is None and body.temperature != 0:
+        return "it samples without a seed"
+    return None
+
+
+class StreamSplice:
+    """The events of one resumable stream, as the client gets them, and the token ids sent so far."""
+
+    def __init__(self, client_wants_token_ids: bool) -> None:
+        self.client_wants_token_ids = client_wants_token_ids
+        self.token_ids: list[int] = []
+        self.done = False
+        self._first: dict | None = None
+        # True from a resume until the new stream's first token: its opening chunks were sent already.
+        self._opening = False
+
+    def resumed(self) -> None:
+        self._opening = True
+
+    def relay(self, event: bytes) -> bytes | None:
+        """The event to send the client (None: none); ReplicaLost when it says the engine died."""
+        payload = event[len(DATA):].strip() if event.startswith(DATA) else None
+        if payload is None:
+            return event
+        if payload == DONE:
+            self.done = True
+            return event
+        try:
+            chunk = msgspec.json.decode(payload)
+        except msgspec.DecodeError:
+            raise ReplicaLost(f"the replica sent an event that is not JSON: {payload[:80]!r}") from None
+        error = chunk.get("error")
+        if error is not None:
+            if isinstance(error, dict) and error.get("code") == ENGINE_DEAD:
+                raise ReplicaLost(error.get("message", ENGINE_DEAD))
+            return event
+        choices = chunk.get("choices") or []
+        for choice in choices:
+            self.token_ids += choice.get("token_ids") or ()
+        if self._first is None:
+            self._first = {"id": chunk.get("id"), "created": chunk.get("created")}
+        elif self._opening:
+            if not (chunk.get("usage") or any(c.get("token_ids") or c.get("finish_reason") for c in choices)):
+                return None
+            self._opening = False
+        changed = self._rewrite(chunk, choices)
+        return DATA + msgspec.json.encode(chunk) + b"\n\n" if changed else event
+
+    def _rewrite(self, chunk: dict, choices: list[dict]) -> bool:
+        changed = False
+        if chunk.get("id") != self._first["id"] or chunk.get("created") != self._first["created"]:
+            chunk.update(self._first)
+            changed = True
+        if not self.client_wants_token_ids:
+            changed |= chunk.pop("prompt_token_ids", None) is not None
+            for choice in choices:
+                changed |= choice.pop("token_ids", None) is not None
+                changed |= choice.pop("prompt_token_ids", None) is not None
+        return changed

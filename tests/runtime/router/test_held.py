@@ -1,0 +1,47 @@
+"""Held requests: bounded, released in (priority, arrival) order, timed out cleanly."""
+
+import asyncio
+
+import pytest
+
+from kvpilot.runtime.router.held import HeldRequests, HoldQueueFull
+
+
+async def test_released_in_priority_then_arrival_order():
+    held = HeldRequests(capacity=8)
+    resumed = []
+
+    async def request(name, priority):
+        assert await held.wait(priority, timeout=5)
+        resumed.append(name)
+
+    tasks = [asyncio.create_task(request(n, p)) for n, p in [("low-1", 5), ("high", 0), ("low-2", 5), ("mid", 2)]]
+    await asyncio.sleep(0)
+    assert len(held) == 4
+    held.release()
+    await asyncio.gather(*tasks)
+    assert resumed == ["high", "mid", "low-1", "low-2"]
+    assert len(held) == 0
+
+
+async def test_a_full_queue_refuses_at_once_and_a_timeout_frees_the_place():
+    held = HeldRequests(capacity=1)
+    waiter = asyncio.create_task(held.wait(0, timeout=0.05))
+    await asyncio.sleep(0)
+    with pytest.raises(HoldQueueFull):
+        await held.wait(0, timeout=5)
+    assert await waiter is False
+    assert len(held) == 0
+
+
+async def test_a_cancelled_waiter_is_skipped():
+    held = HeldRequests(capacity=4)
+    gone = asyncio.create_task(held.wait(0, timeout=5))
+    stays = asyncio.create_task(held.wait(1, timeout=5))
+    await asyncio.sleep(0)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert len(held) == 1
+    held.release()
+    assert await stays is True

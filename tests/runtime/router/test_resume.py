@@ -1,0 +1,80 @@
+"""Which streams can resume, and how a resumed stream is spliced onto the first one."""
+
+import json
+
+import pytest
+
+from kvpilot.runtime.router.resume import ReplicaLost, StreamSplice, why_not_resumable
+from kvpilot.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def completion(**fields):
+    return CompletionRequest.model_validate({"model": "m", "prompt": "p", "stream": True, **fields})
+
+
+def chat(**fields):
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, **fields})
+
+
+@pytest.mark.parametrize("body, reason", [
+    (completion(temperature=0), None),
+    (completion(seed=3), None),
+    (chat(temperature=0.7, seed=3), None),
+    (completion(), "samples without a seed"),
+    (completion(temperature=0, n=2), "n > 1"),
+    (completion(temperature=0, prompt=["a", "b"]), "batch of prompts"),
+    (completion(temperature=0, echo=True), "echoes its prompt"),
+    (chat(temperature=0, tools=[{"type": "function", "function": {"name": "f"}}]), "offers tools"),
+    (chat(temperature=0, response_format={"type": "json_object"}), "follows a grammar"),
+])
+def test_only_a_stream_that_is_a_function_of_its_tokens_resumes(body, reason):
+    found = why_not_resumable(body)
+    assert (found is None) if reason is None else (reason in found)
+
+
+def event(**chunk) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def choice(text="", token_ids=None, finish_reason=None, role=None):
+    delta = {"content": text} if role is None else {"role": role, "content": ""}
+    return {"index": 0, "delta": delta, "finish_reason": finish_reason,
+            **({} if token_ids is None else {"token_ids": token_ids})}
+
+
+def decoded(relayed: bytes) -> dict:
+    return json.loads(relayed[len(b"data: "):])
+
+
+def test_a_resumed_stream_continues_the_first_under_its_id():
+    splice = StreamSplice(client_wants_token_ids=False)
+    opening = event(id="a", created=1, choices=[choice(role="assistant")])
+    assert splice.relay(opening) == opening  # nothing to change: passed on as it came
+    assert decoded(splice.relay(event(id="a", created=1, choices=[choice("x", [5])]))) == \
+        {"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    splice.resumed()
+    # The second replica's own opening is not sent again.
+    assert splice.relay(event(id="b", created=2, choices=[choice(role="assistant")])) is None
+    resumed = decoded(splice.relay(event(id="b", created=2, choices=[choice("y", [6], "length")])))
+    assert (resumed["id"], resumed["created"], resumed["choices"][0]["delta"]) == ("a", 1, {"content": "y"})
+    assert splice.token_ids == [5, 6]
+    assert not splice.done
+    assert splice.relay(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert splice.done
+
+
+def test_token_ids_stay_when_the_client_asked_for_them():
+    splice = StreamSplice(client_wants_token_ids=True)
+    original = event(id="a", created=1, choices=[choice("x", [5])])
+    assert splice.relay(original) == original
+
+
+def test_the_engines_dead_event_and_garbage_are_a_lost_replica_other_errors_pass():
+    splice = StreamSplice(client_wants_token_ids=False)
+    with pytest.raises(ReplicaLost, match="not running"):
+        splice.relay(event(error={"message": "the engine is not running", "code": "engine_dead"}))
+    with pytest.raises(ReplicaLost, match="not JSON"):
+        splice.relay(b"data: <html>\n\n")
+    too_slow = event(error={"message": "too slow", "code": "client_too_slow"})
+    assert splice.relay(too_slow) == too_slow
