@@ -10,6 +10,7 @@ thread (AsyncLLM's event loop).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -169,13 +170,17 @@ class OutputProcessor:
         self.stat_loggers: list[StatLogger] = []
 
     def add_request(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
-                    prompt_token_ids: list[int], sink: Sink, tenant: str | None = None, num_choices: int = 1) -> None:
+                    prompt_token_ids: list[int], sink: Sink, tenant: str | None = None, num_choices: int = 1,
+                    resume_token_ids: Sequence[int] = ()) -> None:
         """Track choice `index` (of `num_choices`) of client request `request_id`, known to the engine
-        as `engine_id`."""
+        as `engine_id`; `resume_token_ids` is the output it continues (see IncrementalDetokenizer)."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                             prompt_token_ids)
-        self.choices[engine_id] = ChoiceState(request_id, engine_id, index, params, len(prompt_token_ids),
-                                              detokenizer, sink, tenant, num_choices)
+                                             prompt_token_ids, resume_token_ids)
+        choice = ChoiceState(request_id, engine_id, index, params, len(prompt_token_ids), detokenizer, sink,
+                             tenant, num_choices)
+        # The output it resumed counts, as the engine counts it toward max_tokens.
+        choice.num_output_tokens = len(resume_token_ids)
+        self.choices[engine_id] = choice
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.choices)
