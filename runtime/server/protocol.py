@@ -172,6 +172,16 @@ class GenerationRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    return_token_ids: bool = Field(False, description=(
+        "vLLM's: the answer carries token ids, the prompt's (`prompt_token_ids`) and each choice's "
+        "(`token_ids`); a stream sends the prompt's once and each chunk's new tokens."))
+    resume_token_ids: list[int] = Field(default_factory=list, description=(
+        "kvpilot's: output tokens this request already produced elsewhere (a stream cut short on another "
+        "replica, continued here). They count as output: toward max_tokens, min_tokens, the penalties and "
+        "usage.completion_tokens; a seeded request samples what an uninterrupted run would; the answer "
+        "carries only the text and tokens that follow, and its text continues theirs, stop strings "
+        "included. One sequence only: not with n > 1, a list of prompts, echo, tools or structured "
+        "outputs; and no more tokens than max_tokens allows."))
 
     @field_validator("seed")
     @classmethod
@@ -233,7 +243,7 @@ class GenerationRequest(RequestBody):
             raise ValueError("stop strings must not be empty")
         return stop
 
-    @field_validator("stop_token_ids", "allowed_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids", "resume_token_ids")
     @classmethod
     def _non_negative_ids(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and any(t < 0 for t in ids):
@@ -543,7 +553,16 @@ class PromptLogprob(BaseModel):
     decoded_token: str
 
 
-class CompletionChoice(BaseModel):
+class TokenIdsWhenAsked(BaseModel):
+    """Leaves out vLLM's token-id fields unless the request asked for them (return_token_ids)."""
+
+    @model_serializer(mode="wrap")
+    def _token_ids_when_asked(self, handler) -> dict:
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key not in ("prompt_token_ids", "token_ids")}
+
+
+class CompletionChoice(TokenIdsWhenAsked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -553,6 +572,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # vLLM's extension: the stop token id or stop string that ended the choice.
     stop_reason: int | str | None = None
+    # vLLM's, with return_token_ids: the choice's new tokens; its prompt's on its first chunk.
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -611,21 +633,25 @@ class AssistantMessage(BaseModel):
         return message
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(TokenIdsWhenAsked):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's, with return_token_ids.
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(TokenIdsWhenAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's, with return_token_ids.
+    prompt_token_ids: list[int] | None = None
 
 
 class FunctionCallDelta(OmitAbsent):
@@ -649,18 +675,22 @@ class ChatDelta(OmitAbsent):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(TokenIdsWhenAsked):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's, with return_token_ids: the chunk's new tokens.
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(TokenIdsWhenAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # vLLM's, with return_token_ids: on the opening chunks (the role's) only.
+    prompt_token_ids: list[int] | None = None
