@@ -169,6 +169,13 @@ def test_resumed_tokens_that_already_end_the_request_finish_it_at_once(http):
     assert not_yet.token_ids
 
 
+def test_the_metrics_count_only_the_tokens_generated_here(server, http):
+    before = server.metric("vllm:generation_tokens_total")
+    resumed = _completion(http, **GREEDY, resume_token_ids=[5, 6, 7])
+    assert resumed.usage["completion_tokens"] == 12
+    assert server.metric("vllm:generation_tokens_total") - before == 9
+
+
 def test_a_non_streamed_resume_answers_what_the_stream_sends(http):
     full = _completion(http, **SEEDED)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **SEEDED,
