@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
@@ -85,7 +86,7 @@ class EngineCore:
             raise ValueError(f"the KV-cache budget of {budget} bytes is too small for one KV block")
         return num_blocks
 
-    def validate(self, prompt_token_ids: list[int], params, resume_token_ids: list[int] = ()) -> None:
+    def validate(self, prompt_token_ids: list[int], params, resume_token_ids: Sequence[int] = ()) -> None:
         validate_request(
             prompt_token_ids, params,
             max_model_len=self.config.scheduler.max_model_len,
