@@ -553,16 +553,12 @@ class PromptLogprob(BaseModel):
     decoded_token: str
 
 
-class TokenIdsWhenAsked(BaseModel):
-    """Leaves out vLLM's token-id fields unless the request asked for them (return_token_ids)."""
-
-    @model_serializer(mode="wrap")
-    def _token_ids_when_asked(self, handler) -> dict:
-        return {key: value for key, value in handler(self).items()
-                if value is not None or key not in ("prompt_token_ids", "token_ids")}
+def _not_asked(token_ids: list[int] | None) -> bool:
+    """vLLM's token-id fields are left out of answers that did not ask for them (return_token_ids)."""
+    return token_ids is None
 
 
-class CompletionChoice(TokenIdsWhenAsked):
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -573,8 +569,8 @@ class CompletionChoice(TokenIdsWhenAsked):
     # vLLM's extension: the stop token id or stop string that ended the choice.
     stop_reason: int | str | None = None
     # vLLM's, with return_token_ids: the choice's new tokens; its prompt's on its first chunk.
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
 class CompletionResponse(BaseModel):
@@ -633,17 +629,17 @@ class AssistantMessage(BaseModel):
         return message
 
 
-class ChatChoice(TokenIdsWhenAsked):
+class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # vLLM's, with return_token_ids.
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
-class ChatCompletionResponse(TokenIdsWhenAsked):
+class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -651,7 +647,7 @@ class ChatCompletionResponse(TokenIdsWhenAsked):
     choices: list[ChatChoice]
     usage: Usage
     # vLLM's, with return_token_ids.
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
 class FunctionCallDelta(OmitAbsent):
@@ -675,17 +671,17 @@ class ChatDelta(OmitAbsent):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(TokenIdsWhenAsked):
+class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # vLLM's, with return_token_ids: the chunk's new tokens.
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
-class ChatCompletionChunk(TokenIdsWhenAsked):
+class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -693,4 +689,4 @@ class ChatCompletionChunk(TokenIdsWhenAsked):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     # vLLM's, with return_token_ids: on the opening chunks (the role's) only.
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
