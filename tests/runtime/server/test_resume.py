@@ -116,7 +116,7 @@ def test_penalties_count_the_resumed_tokens(http):
     penalties = {**SEEDED, "presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
     full = _completion(http, **penalties)
     _assert_resumes(full, lambda **resume: _completion(http, **penalties, **resume))
-    # Had they not counted, the resumed tokens would differ (the penalties change the tokens).
+    # The penalties change the tokens, so the resumed ones must have counted for the equality above.
     assert _completion(http, **SEEDED).token_ids != full.token_ids
 
 
