@@ -42,7 +42,7 @@ def _step(rng: np.random.Generator, num_reqs: int, cached: tuple[int, int], new_
     context = rng.integers(*cached, size=num_reqs)
     max_len = int(context.max()) + new_tokens
     max_blocks = -(-max_len // BLOCK_SIZE)
-    batch = InputBatch(num_reqs, max_len, max_blocks, torch.device("cpu"))
+    batch = InputBatch(num_reqs, max_len, max_blocks, torch.device("cpu"), vocab_size=32000)
     pages = rng.permutation(num_reqs * max_blocks) + 1
     for i, cached_tokens in enumerate(context):
         total = int(cached_tokens) + new_tokens

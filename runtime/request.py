@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpilot.runtime.structured_output.params import StructuredOutputsParams
@@ -161,7 +162,11 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
+        """`resume_token_ids`: output this request produced before, elsewhere (a stream resumed on
+        another replica). It is output like any other: it counts toward max_tokens, min_tokens and
+        the penalties, and is computed again as a request preempted by recompute is."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -186,8 +191,8 @@ class Request:
         self.max_tokens = limit
 
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(resume_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         # Tokens scheduled to be sampled but not yet received (at most one per step in flight):
         # under async scheduling the next step is scheduled before the last one's token is known.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+from collections.abc import Sequence
 from typing import AsyncIterator, Callable
 
 from kvpilot.runtime.config import EngineConfig
@@ -18,7 +19,7 @@ from kvpilot.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from kvpilot.runtime.engine.output_processor import OutputProcessor, StatLogger, StreamOutput
 from kvpilot.runtime.engine.validation import validate_request
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
-from kvpilot.runtime.request import SamplingParams
+from kvpilot.runtime.request import ParamError, SamplingParams
 
 
 class SlowConsumerError(RuntimeError):
@@ -106,12 +107,17 @@ class AsyncLLM:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the field (empty prompt, too long, ids out of vocab, logprobs > 20)."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids: Sequence[int] = ()
+                 ) -> None:
+        """Raises ValueError naming the field (empty prompt, too long, ids out of vocab, logprobs > 20,
+        a resumed output that does not fit the request)."""
+        if resume_token_ids and params.n != 1:
+            raise ParamError("resume_token_ids",
+                             f"resume_token_ids continues one sequence: n must be 1, got {params.n}")
         validate_request(
             prompt_token_ids, params.for_choice(0),
             max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, block_size=self.block_size, resume_token_ids=resume_token_ids,
         )
 
     # -- requests -------------------------------------------------------------------------------
@@ -126,6 +132,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         tenant: str | None = None,
         max_buffered_outputs: int | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[StreamOutput]:
         """Stream deltas until every one of the params.n choices finished.
 
@@ -137,9 +144,11 @@ class AsyncLLM:
         engine is then told to abort. With max_buffered_outputs, a consumer that leaves more deltas
         than that unread gets the request aborted in the engine, and SlowConsumerError after the
         deltas it left.
+        `resume_token_ids` (n == 1 only) continues output produced elsewhere: the deltas carry only
+        what follows it, and num_output_tokens counts it (see Request).
         """
         self.engine_core.ensure_running()
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, resume_token_ids)
         if self.output_processor.engine_ids_of({request_id}):
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Unique per call: outputs the engine sent for an earlier request with the same id, before
@@ -149,7 +158,7 @@ class AsyncLLM:
             EngineCoreRequest(
                 request_id=f"{request_id}-{call}-{index}", prompt_token_ids=prompt_token_ids,
                 sampling_params=params.for_choice(index), eos_token_id=self.eos_token_id, priority=priority,
-                cache_salt=cache_salt,
+                cache_salt=cache_salt, resume_token_ids=list(resume_token_ids),
             )
             for index in range(params.n)
         ]
@@ -164,7 +173,7 @@ class AsyncLLM:
         # Outputs reach the loop only between awaits, so none can arrive before this.
         for index, request in enumerate(requests):
             self.output_processor.add_request(request_id, request.request_id, index, request.sampling_params,
-                                              prompt_token_ids, sink.put_nowait, tenant, params.n)
+                                              prompt_token_ids, sink.put_nowait, tenant, params.n, resume_token_ids)
         try:
             while unfinished:
                 item = await sink.get()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
@@ -98,17 +99,20 @@ class EngineCore:
             raise ValueError(f"the KV-cache budget of {budget} bytes is too small for one KV block")
         return num_blocks
 
-    def validate(self, prompt_token_ids: list[int], params) -> None:
+    def validate(self, prompt_token_ids: list[int], params, resume_token_ids: Sequence[int] = ()) -> None:
         validate_request(
             prompt_token_ids, params,
             max_model_len=self.config.scheduler.max_model_len,
             vocab_size=self.config.model.vocab_size,
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.config.cache.block_size,
+            resume_token_ids=resume_token_ids,
         )
 
-    def add_request(self, request: Request) -> None:
-        self.validate(request.prompt_token_ids, request.sampling_params)
+    def add_request(self, request: Request) -> EngineCoreOutput | None:
+        """Queue the request; returns its final output instead when the output it was resumed with
+        already ends it (see Scheduler.add_request)."""
+        self.validate(request.prompt_token_ids, request.sampling_params, request.output_token_ids)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if self._other_eos_token_ids and not request.sampling_params.ignore_eos:
@@ -119,7 +123,7 @@ class EngineCore:
             request.status = RequestStatus.WAITING_FOR_FSM
             self._compiling[request.request_id] = request.structured_output_request
             self._grammar_requests[request.request_id] = request
-        self.scheduler.add_request(request)
+        return self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

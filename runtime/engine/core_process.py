@@ -182,17 +182,19 @@ class _EngineLoop:
         request = Request(
             message.request_id, message.prompt_token_ids, message.sampling_params,
             eos_token_id=message.eos_token_id, priority=message.priority, cache_salt=message.cache_salt,
-            max_model_len=self.core.config.scheduler.max_model_len,
+            max_model_len=self.core.config.scheduler.max_model_len, resume_token_ids=message.resume_token_ids,
         )
         try:
-            self.core.add_request(request)
+            finished = self.core.add_request(request)
         except ValueError as exc:
             # The frontend validates first, so this is a disagreement between the two: end the
             # request rather than the engine.
             logger.error("refused request %s: %s", message.request_id, exc)
-            aborted = EngineCoreOutput(request_id=message.request_id, new_token_ids=[], finish_reason="abort",
-                                       error=f"the engine refused the request: {exc}")
-            self.outputs.put(EngineCoreOutputs(outputs=[aborted]))
+            finished = EngineCoreOutput(request_id=message.request_id, new_token_ids=[], finish_reason="abort",
+                                        error=f"the engine refused the request: {exc}")
+        # Refused, or already ended by the output it was resumed with.
+        if finished is not None:
+            self.outputs.put(EngineCoreOutputs(outputs=[finished]))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         try:

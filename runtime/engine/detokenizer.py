@@ -25,7 +25,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, prompt_token_ids: Sequence[int] = ()) -> None:
+                 include_stop_str_in_output: bool = False, prompt_token_ids: Sequence[int] = (),
+                 resume_token_ids: Sequence[int] = ()) -> None:
+        """`resume_token_ids`: output an earlier stream of this sequence decoded and sent (a stream
+        resumed elsewhere). The text continues from them, and begins with what that stream still
+        held back, so that its text and this one's add up to the uninterrupted text."""
         self._tokenizer = tokenizer
         # DecodeStream keeps the byte-level state, so a multi-byte character split across
         # tokens comes out whole, once.
@@ -39,6 +43,10 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         # The text decoded and not taken yet.
         self._pending = ""
+        if resume_token_ids:
+            # Taken as the earlier stream took it after these tokens: all but the held-back tail.
+            self.update(resume_token_ids)
+            self.take_new_text(finished=False)
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string that ended the text, if one did."""

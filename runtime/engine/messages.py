@@ -40,6 +40,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # Output already produced elsewhere, which the request continues (see Request).
+    resume_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

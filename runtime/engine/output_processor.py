@@ -10,6 +10,7 @@ thread (AsyncLLM's event loop).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -37,7 +38,7 @@ class StreamOutput:
     # The stop token id or stop string that ended it, if any.
     stop_reason: int | str | None
     num_prompt_tokens: int
-    # Cumulative for this choice.
+    # Cumulative for this choice, with the output it resumed (its usage).
     num_output_tokens: int
     num_cached_tokens: int
     # Only on the first StreamOutput of a request that asked for prompt_logprobs: [None, {...}, ...].
@@ -96,7 +97,7 @@ class ChoiceState:
 
     def __init__(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
                  num_prompt_tokens: int, detokenizer: IncrementalDetokenizer, sink: Sink,
-                 tenant: str | None, num_choices: int) -> None:
+                 tenant: str | None, num_choices: int, num_resumed_tokens: int) -> None:
         self.request_id = request_id
         self.engine_id = engine_id
         self.index = index
@@ -106,7 +107,10 @@ class ChoiceState:
         self.detokenizer = detokenizer
         self.sink = sink
         self.tenant = tenant
+        # Generated here; the metrics count these. The output it resumed (generated elsewhere)
+        # counts only in its usage, as the engine counts it toward max_tokens.
         self.num_output_tokens = 0
+        self.num_resumed_tokens = num_resumed_tokens
         self.num_cached_tokens = 0
         self.prompt_logprobs: dict[int, TokenLogprobs] = {}
         self.prompt_logprobs_sent = False
@@ -169,13 +173,14 @@ class OutputProcessor:
         self.stat_loggers: list[StatLogger] = []
 
     def add_request(self, request_id: str, engine_id: str, index: int, params: SamplingParams,
-                    prompt_token_ids: list[int], sink: Sink, tenant: str | None = None, num_choices: int = 1) -> None:
+                    prompt_token_ids: list[int], sink: Sink, tenant: str | None = None, num_choices: int = 1,
+                    resume_token_ids: Sequence[int] = ()) -> None:
         """Track choice `index` (of `num_choices`) of client request `request_id`, known to the engine
-        as `engine_id`."""
+        as `engine_id`; `resume_token_ids` is the output it continues (see IncrementalDetokenizer)."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                             prompt_token_ids)
+                                             prompt_token_ids, resume_token_ids)
         self.choices[engine_id] = ChoiceState(request_id, engine_id, index, params, len(prompt_token_ids),
-                                              detokenizer, sink, tenant, num_choices)
+                                              detokenizer, sink, tenant, num_choices, len(resume_token_ids))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.choices)
@@ -271,7 +276,7 @@ class OutputProcessor:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_prompt_tokens=choice.num_prompt_tokens,
-            num_output_tokens=choice.num_output_tokens,
+            num_output_tokens=choice.num_resumed_tokens + choice.num_output_tokens,
             num_cached_tokens=choice.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             error=error,

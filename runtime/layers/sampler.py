@@ -165,6 +165,16 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def skip_noise(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Advance a seeded row's generator past the noise of `num_tokens` sampled tokens: the draws
+    _exponential_noise makes for them, one full vocabulary each, of the same size and dtype."""
+    if num_tokens == 0:
+        return
+    noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_tokens):
+        noise.exponential_(generator=generator)
+
+
 def _exponential_noise(
     probs: torch.Tensor, generators: dict[int, torch.Generator], generator: torch.Generator | None
 ) -> torch.Tensor:

@@ -23,6 +23,7 @@ from kvpilot.runtime.server.protocol import (
     TopLogprob,
     Usage,
 )
+from kvpilot.runtime.server.resume import refuse_resume_with
 from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_request_id, sampled_logprobs
 from kvpilot.runtime.server.tool_use import StreamedCalls, ToolSettings, ToolUse, assistant_message, tool_use
 from kvpilot.runtime.server.tool_use import finish_reason as tool_finish_reason
@@ -32,6 +33,7 @@ from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 async def create_chat_completion(body: ChatCompletionRequest, http_request: Request, serving: Serving,
                                  template: ChatTemplate, tool_settings: ToolSettings) -> Response:
     serving.check_model(body.model)
+    refuse_resume_with(body, {"tools": bool(body.tools), "echo": body.echo})
     tools = tool_use(body, tool_settings)
     prompt_token_ids = await serving.chat_prompt_token_ids(
         template, body.messages, add_generation_prompt=body.add_generation_prompt,
@@ -45,7 +47,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
         structured_outputs=structured_outputs,
     )
     response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs, tools,
-                                 echoed=body.echoed_text)
+                                 echoed=body.echoed_text,
+                                 prompt_token_ids=prompt_token_ids if body.return_token_ids else None)
     return await serving.respond(http_request, request, response_format, stream=body.stream,
                                  include_usage=body.include_usage, continuous_usage=body.continuous_usage)
 
@@ -65,7 +68,7 @@ async def _constraint(body: ChatCompletionRequest, tools: ToolUse, serving: Serv
 
 class ChatFormat:
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None,
-                 tools: ToolUse = ToolUse(), echoed: str = "") -> None:
+                 tools: ToolUse = ToolUse(), echoed: str = "", prompt_token_ids: list[int] | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -75,12 +78,15 @@ class ChatFormat:
         self.tools = tools
         # What each choice's content starts with (the request's echo), never seen by the tool parser.
         self.echoed = echoed
+        # When the client asked for token ids (return_token_ids); None otherwise.
+        self.prompt_token_ids = prompt_token_ids
         # Per streamed choice, where tool calls are read from its text.
         self._calls: dict[int, StreamedCalls] = {}
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
+               prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
+                                   choices=choices, usage=usage, prompt_token_ids=prompt_token_ids)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -96,7 +102,8 @@ class ChatFormat:
 
     def opening_chunks(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice with the speaker's role; an echo follows it, as in vLLM.
-        chunks = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        chunks = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
+                              prompt_token_ids=self.prompt_token_ids)
                   for i in range(self.n)]
         if self.echoed:
             chunks += [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=self.echoed))])
@@ -107,7 +114,7 @@ class ChatFormat:
         # An empty delta renders without its content: not a template's shape. A tool parser reads
         # every piece of text, so its requests never take the template path.
         return (self.tools.parser is None and self.top_logprobs is None and bool(output.text)
-                and not output.finished)
+                and not output.finished and self.prompt_token_ids is None)
 
     def chunk(self, output: StreamOutput) -> ChatCompletionChunk | None:
         if self.tools.parser is None:
@@ -115,15 +122,20 @@ class ChatFormat:
         else:
             calls = self._calls.setdefault(output.index, StreamedCalls(self.tools))
             content, tool_calls = calls.delta(output.text, output.finished)
-            if content is None and tool_calls is None and not output.finished and self.top_logprobs is None:
-                # Text the parser holds back: an empty delta would tell the client nothing (vLLM sends none).
+            if (content is None and tool_calls is None and not output.finished and self.top_logprobs is None
+                    and self.prompt_token_ids is None):
+                # Text the parser holds back: an empty delta would tell the client nothing (vLLM sends
+                # none), unless it carries the tokens' logprobs or ids.
                 return None
             delta = ChatDelta(content=content, tool_calls=tool_calls)
             finish_reason = tool_finish_reason(output.finish_reason, calls.called, self.tools)
         return self._chunk([ChatChunkChoice(
             index=output.index, delta=delta, logprobs=self._logprobs(output.token_ids, output.logprobs),
-            finish_reason=finish_reason, stop_reason=output.stop_reason,
+            finish_reason=finish_reason, stop_reason=output.stop_reason, token_ids=self._token_ids(output.token_ids),
         )])
+
+    def _token_ids(self, token_ids: list[int]) -> list[int] | None:
+        return token_ids if self.prompt_token_ids is not None else None
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], usage)
@@ -131,7 +143,7 @@ class ChatFormat:
     def response(self, choices: list[Choice], usage: Usage) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, usage=usage,
-            choices=[self._choice(c) for c in choices],
+            choices=[self._choice(c) for c in choices], prompt_token_ids=self.prompt_token_ids,
         )
 
     def _choice(self, choice: Choice) -> ChatChoice:
@@ -141,7 +153,7 @@ class ChatFormat:
         return ChatChoice(index=choice.index, message=message,
                           logprobs=self._logprobs(choice.token_ids, choice.logprobs),
                           finish_reason=tool_finish_reason(choice.finish_reason, called, self.tools),
-                          stop_reason=choice.stop_reason)
+                          stop_reason=choice.stop_reason, token_ids=self._token_ids(choice.token_ids))
 
 
 def _top_logprob(entry: Logprob) -> TopLogprob:

@@ -20,12 +20,14 @@ from kvpilot.runtime.server.protocol import (
     PromptLogprob,
     Usage,
 )
+from kvpilot.runtime.server.resume import refuse_resume_with
 from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_request_id, sampled_logprobs
 
 
 async def create_completion(body: CompletionRequest, http_request: Request, serving: Serving) -> Response:
     serving.check_model(body.model)
     prompts = body.prompts
+    refuse_resume_with(body, {"a list of prompts": len(prompts) > 1, "echo": body.echo})
     # A lone prompt's n is checked with the other limits (param "n").
     if len(prompts) > 1 and len(prompts) * body.n > serving.limits.max_n:
         raise bad_request(f"{len(prompts)} prompts with n={body.n} are {len(prompts) * body.n} choices, more than "
@@ -49,7 +51,8 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
             token_ids=ids, first_token=await serving.tokenizers.decode(ids[:1], skip_special_tokens=False),
         ) for prompt, ids in zip(prompts, prompt_token_ids)]
     response_format = CompletionFormat(request_id, serving.model_name, body.logprobs, n=body.n, echoed=echoed,
-                                       prompt_logprobs=body.prompt_logprobs)
+                                       prompt_logprobs=body.prompt_logprobs,
+                                       prompt_token_ids=prompt_token_ids if body.return_token_ids else None)
     return await serving.respond(http_request, requests, response_format, stream=body.stream,
                                  include_usage=body.include_usage, continuous_usage=body.continuous_usage)
 
@@ -73,7 +76,8 @@ class EchoedPrompt:
 
 class CompletionFormat:
     def __init__(self, request_id: str, model: str, num_logprobs: int | None, *, n: int = 1,
-                 echoed: list[EchoedPrompt] | None = None, prompt_logprobs: int | None = None) -> None:
+                 echoed: list[EchoedPrompt] | None = None, prompt_logprobs: int | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -83,9 +87,12 @@ class CompletionFormat:
         self.echoed = echoed
         # What the client asked for in vLLM's `prompt_logprobs` field (the engine may compute more for echo).
         self.prompt_logprobs = prompt_logprobs
+        # Per prompt, when the client asked for token ids (return_token_ids); None otherwise.
+        self.prompt_token_ids = prompt_token_ids
         # Per choice: where the next token's text starts (text_offset).
         self._offsets: dict[int, int] = defaultdict(int)
-        self._echo_sent: set[int] = set()
+        # The streamed choices whose first chunk went out.
+        self._opened: set[int] = set()
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
@@ -94,7 +101,8 @@ class CompletionFormat:
     def _choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
                 prompt_logprobs: list[dict[int, Logprob] | None] | None, finish_reason: str | None,
                 stop_reason: int | str | None, first: bool) -> CompletionChoice:
-        """One choice, or one chunk of it; the first carries the echoed prompt and the prompt logprobs."""
+        """One choice, or one chunk of it; the first carries the echoed prompt, the prompt logprobs and
+        the prompt's token ids."""
         result = None if self.num_logprobs is None else CompletionLogprobs()
         echoed = self.echoed[index // self.n] if self.echoed is not None and first else None
         if echoed is not None:
@@ -104,9 +112,12 @@ class CompletionFormat:
         if result is not None:
             for sampled, candidates in sampled_logprobs(token_ids, logprobs or []):
                 self._add(result, index, sampled.decoded_token or "", logprob_value(sampled), _top(candidates))
+        ids_asked = self.prompt_token_ids is not None
         return CompletionChoice(
             index=index, text=text, logprobs=result, finish_reason=finish_reason, stop_reason=stop_reason,
             prompt_logprobs=self._prompt_logprobs_field(prompt_logprobs, echoed) if first else None,
+            token_ids=token_ids if ids_asked else None,
+            prompt_token_ids=self.prompt_token_ids[index // self.n] if ids_asked and first else None,
         )
 
     def _add(self, result: CompletionLogprobs, index: int, token: str, logprob: float | None,
@@ -143,13 +154,13 @@ class CompletionFormat:
         return []
 
     def text_only(self, output: StreamOutput) -> bool:
-        echo_pending = self.echoed is not None and output.index not in self._echo_sent
+        echo_pending = self.echoed is not None and output.index not in self._opened
         return (self.num_logprobs is None and output.prompt_logprobs is None and not output.finished
-                and not echo_pending)
+                and not echo_pending and self.prompt_token_ids is None)
 
     def chunk(self, output: StreamOutput) -> CompletionResponse:
-        first = output.index not in self._echo_sent
-        self._echo_sent.add(output.index)
+        first = output.index not in self._opened
+        self._opened.add(output.index)
         return self._response([self._choice(output.index, output.text, output.token_ids, output.logprobs,
                                             output.prompt_logprobs, output.finish_reason, output.stop_reason, first)])
 

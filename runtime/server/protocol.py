@@ -172,6 +172,16 @@ class GenerationRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    return_token_ids: bool = Field(False, description=(
+        "vLLM's: the answer carries token ids, the prompt's (`prompt_token_ids`) and each choice's "
+        "(`token_ids`); a stream sends the prompt's once and each chunk's new tokens."))
+    resume_token_ids: list[int] = Field(default_factory=list, description=(
+        "kvpilot's: output tokens this request already produced elsewhere (a stream cut short on another "
+        "replica, continued here). They count as output: toward max_tokens, min_tokens, the penalties and "
+        "usage.completion_tokens; a seeded request samples what an uninterrupted run would; the answer "
+        "carries only the text and tokens that follow, and its text continues theirs, stop strings "
+        "included. One sequence only: not with n > 1, a list of prompts, echo, tools or structured "
+        "outputs; and no more tokens than max_tokens allows."))
 
     @field_validator("seed")
     @classmethod
@@ -233,7 +243,7 @@ class GenerationRequest(RequestBody):
             raise ValueError("stop strings must not be empty")
         return stop
 
-    @field_validator("stop_token_ids", "allowed_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids", "resume_token_ids")
     @classmethod
     def _non_negative_ids(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and any(t < 0 for t in ids):
@@ -543,6 +553,11 @@ class PromptLogprob(BaseModel):
     decoded_token: str
 
 
+def _not_asked(token_ids: list[int] | None) -> bool:
+    """vLLM's token-id fields are left out of answers that did not ask for them (return_token_ids)."""
+    return token_ids is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -553,6 +568,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # vLLM's extension: the stop token id or stop string that ended the choice.
     stop_reason: int | str | None = None
+    # vLLM's, with return_token_ids: the choice's new tokens; its prompt's on its first chunk.
+    token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
 class CompletionResponse(BaseModel):
@@ -617,6 +635,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's, with return_token_ids.
+    token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -626,6 +646,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's, with return_token_ids.
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
 class FunctionCallDelta(OmitAbsent):
@@ -655,6 +677,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's, with return_token_ids: the chunk's new tokens.
+    token_ids: list[int] | None = Field(None, exclude_if=_not_asked)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -664,3 +688,5 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # vLLM's, with return_token_ids: on the opening chunks (the role's) only.
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_not_asked)

@@ -59,6 +59,8 @@ class EngineRequest:
     priority: int
     cache_salt: str | None
     tenant: str | None
+    # The output it continues (the request's resume_token_ids).
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -276,7 +278,7 @@ class Serving:
                     body.bad_words, lambda text: self.engine.encode(text, add_special_tokens=False)),
                 structured_outputs=structured_outputs,
             )
-            self.engine.validate(prompt_token_ids, params)
+            self.engine.validate(prompt_token_ids, params, body.resume_token_ids)
         except ValueError as err:
             raise bad_request(str(err), getattr(err, "param", None)) from err
         if tenant is None:
@@ -287,6 +289,7 @@ class Serving:
         return EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, priority=priority,
             cache_salt=cache_salt, tenant=None if tenant is None else tenant.name,
+            resume_token_ids=body.resume_token_ids,
         )
 
     async def respond(self, http_request: Request, request: EngineRequest | list[EngineRequest],
@@ -318,6 +321,7 @@ class Serving:
         streams = [self.engine.generate(
             request.prompt_token_ids, request.params, request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, tenant=request.tenant, max_buffered_outputs=max_buffered_outputs,
+            resume_token_ids=request.resume_token_ids,
         ) for request in batch]
         return streams[0] if len(streams) == 1 else merged(streams, batch[0].params.n)
 

@@ -20,15 +20,18 @@ import numpy as np
 import torch
 
 from kvpilot.runtime.core.sched.output import NewRequestData
+from kvpilot.runtime.layers.sampler import skip_noise
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+                 device: torch.device, vocab_size: int) -> None:
         """`device`: the model's, where the seeded requests' generators must live to draw the
-        sampler's noise (torch refuses a CPU generator for a CUDA tensor)."""
+        sampler's noise (torch refuses a CPU generator for a CUDA tensor); `vocab_size`: the width
+        of each draw."""
         self.max_num_reqs = max_num_reqs
         self.device = device
+        self.vocab_size = vocab_size
         self.req_ids: list[str | None] = []
         self.row_of: dict[str, int] = {}
         # Free rows below the end of `req_ids`, as a min-heap.
@@ -77,7 +80,11 @@ class InputBatch:
         self.min_p[row] = params.min_p
         # A request resumed after preemption keeps its generator: its random stream goes on.
         if params.seed is not None and new.req_id not in self.generators:
-            self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            # Output that came with the request was sampled elsewhere (a stream resumed on this
+            # replica): the stream goes on after its draws, as an uninterrupted run's would.
+            skip_noise(generator, num_tokens - new.num_prompt_tokens, self.vocab_size)
+            self.generators[new.req_id] = generator
         if params.logprobs is not None:
             self.num_logprobs[new.req_id] = params.logprobs
         if params.prompt_logprobs is not None:

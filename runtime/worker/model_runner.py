@@ -43,7 +43,8 @@ class ModelRunner:
         sched = config.scheduler
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(max_num_reqs=sched.max_num_seqs, max_model_len=self.max_model_len,
-                                max_blocks_per_req=max_blocks_per_req, device=device)
+                                max_blocks_per_req=max_blocks_per_req, device=device,
+                                vocab_size=config.model.vocab_size)
         # Pure-decode steps are padded to these sizes unless eager (on a CPU too, so that the
         # path graphs replay is the one the parity tests run).
         self.decode_sizes = [] if config.model.enforce_eager else decode_sizes(sched.max_num_seqs)

@@ -73,14 +73,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request) -> EngineCoreOutput | None:
+        """Queue the request; or, when the output it was resumed with already ends it (its last
+        token a stop, or no tokens left to produce), finish it at once and return its output."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
         max_model_len = self.config.max_model_len
         if max_model_len is not None:
             request.max_tokens = min(request.max_tokens, max_model_len - request.num_prompt_tokens)
+        if request.output_token_ids and self._check_stop(request, request.output_token_ids[-1]):
+            return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                    finish_reason=request.finish_reason, stop_reason=request.stop_reason)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        return None
 
     def set_policy(self, policy: SchedulingPolicy | str) -> None:
         """Live from the next step; ValueError for a policy the scheduler does not know."""

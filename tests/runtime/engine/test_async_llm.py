@@ -182,7 +182,7 @@ def test_bad_input_is_refused_before_queueing(engine, loop):
 def test_a_request_the_engine_refuses_raises_its_reason(engine, loop, monkeypatch):
     # The engine checks again what the frontend checked. Where they disagree (here the frontend's
     # check is skipped), the caller learns why, rather than seeing an empty "abort".
-    monkeypatch.setattr(engine, "validate", lambda prompt_token_ids, params: None)
+    monkeypatch.setattr(engine, "validate", lambda prompt_token_ids, params, resume_token_ids: None)
     with pytest.raises(RequestRefusedError, match="the engine refused the request: .*max_model_len"):
         loop.run_until_complete(engine.generate([5] * engine.max_model_len, _greedy(), "refused").__anext__())
     assert not engine.output_processor.has_unfinished_requests()

@@ -126,3 +126,15 @@ def test_the_output_processor_decodes_each_choice_after_its_prompt():
     processor.process_outputs([EngineCoreOutput("r-0", tokenizer.encode("Paris").ids)])
     processor.process_outputs([EngineCoreOutput("r-0", tokenizer.encode("in").ids, finish_reason="length")])
     assert [delta.text for delta in deltas] == [" Paris", " in"]
+
+
+@pytest.mark.parametrize("stop", [[], ["fox jumps"], ["wörld, caf"], ["日本 the"]])
+def test_a_resumed_stream_continues_the_text_of_the_stream_it_resumes(tokenizer, stop):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    full, full_stop = _stream(IncrementalDetokenizer(tokenizer, stop), ids)
+    # Piece i is what went out with token i; a stream that ran to its end has a last flush too.
+    num_streamed = len(full) if full_stop is not None else len(full) - 1
+    for k in range(1, num_streamed):
+        resumed, resumed_stop = _stream(IncrementalDetokenizer(tokenizer, stop, resume_token_ids=ids[:k]), ids[k:])
+        assert "".join(full[:k]) + "".join(resumed) == "".join(full), k
+        assert resumed_stop == full_stop

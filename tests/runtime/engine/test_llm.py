@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.request import Request
+from kvpilot.runtime.request import ParamError, Request
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +239,18 @@ def test_a_seeded_request_draws_the_same_tokens_across_a_preemption(tiny_llama_d
     squeezed, preemptions = run(blocks=13, with_hog=True)
     assert preemptions > 0
     assert squeezed == alone
+
+
+def test_the_engine_checks_the_output_a_request_resumes(llm):
+    with pytest.raises(ParamError, match="resume_token_ids"):
+        llm.engine.add_request(Request("over", [1, 2, 3], SamplingParams(max_tokens=2), resume_token_ids=[4, 5, 6]))
+    with pytest.raises(ParamError, match="vocabulary"):
+        llm.engine.add_request(Request("unknown", [1, 2, 3], SamplingParams(), resume_token_ids=[10**6]))
+    # Output that used the whole budget ends the request on arrival, before any step.
+    finished = llm.engine.add_request(Request("spent", [1, 2, 3], SamplingParams(max_tokens=2),
+                                              resume_token_ids=[4, 5]))
+    assert finished.finish_reason == "length" and finished.new_token_ids == []
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(llm):

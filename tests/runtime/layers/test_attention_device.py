@@ -35,7 +35,8 @@ def test_meta_catches_a_host_tensor_in_a_device_op():
 
 def _mixed_step(padded_reqs: int | None = None):
     """A prefill chunk (cached prefix of 2, 5 new), a fresh prompt of 3 and a decode, on meta."""
-    batch = InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cpu"))
+    batch = InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cpu"),
+                       vocab_size=64)
     for req_id, tokens, blocks, computed in (("p", list(range(1, 8)), [1, 2], 2), ("f", [4, 5, 6], [3], 0),
                                              ("d", list(range(1, 7)), [4, 5], 5)):
         batch.add_request(NewRequestData(req_id=req_id, token_ids=tokens, num_prompt_tokens=len(tokens),

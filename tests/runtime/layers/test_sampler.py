@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpilot.runtime.layers.logits_processors import LogitsAdjustments
-from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p, gather_logprobs
+from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p, gather_logprobs, skip_noise
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
 
 
@@ -159,6 +159,23 @@ def test_seed_gives_same_tokens_regardless_of_batch():
     alone = run(batch_size=1, row=0, engine_seed=8)
     assert alone == run(batch_size=5, row=3, engine_seed=9)
     assert len(set(alone)) > 1
+
+
+def test_skipped_noise_resumes_a_seeded_row_where_its_draws_left_off():
+    vocab, steps, skipped = 200, 8, 5
+    step_logits = torch.randn(steps, vocab, generator=_seeded(7))
+
+    def run(generator: torch.Generator, first_step: int) -> list[int]:
+        # Row 1 of 3: its draws are views into the batch's noise, the skipped ones are not.
+        metadata = _metadata([1.0, 1.0, 1.0], generators={1: generator})
+        return [Sampler()(logits.expand(3, -1).clone(), metadata, generator=_seeded(0)).sampled_token_ids[1].item()
+                for logits in step_logits[first_step:]]
+
+    uninterrupted = run(_seeded(1234), 0)
+    resumed = _seeded(1234)
+    skip_noise(resumed, skipped, vocab)
+    assert run(resumed, skipped) == uninterrupted[skipped:]
+    assert len(set(uninterrupted)) > 1
 
 
 def test_logprobs_come_from_the_raw_distribution():

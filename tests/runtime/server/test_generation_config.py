@@ -40,7 +40,7 @@ def test_a_path_reads_that_folders_file_and_a_bad_one_is_a_usage_error(tmp_path,
 
 
 def test_defaults_fill_only_the_fields_a_request_leaves_out():
-    engine = SimpleNamespace(max_model_len=64, validate=lambda ids, params: None)
+    engine = SimpleNamespace(max_model_len=64, validate=lambda ids, params, resume_token_ids: None)
     serving = Serving(engine, "m", None, ServerLimits(), tokenizers=None,
                       sampling_defaults={"temperature": 0.6, "top_k": 20})
     body = CompletionRequest(prompt="x", temperature=0.0)

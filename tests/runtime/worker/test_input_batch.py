@@ -20,7 +20,8 @@ def _new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0, *
 
 
 def _batch() -> InputBatch:
-    return InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cpu"))
+    return InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cpu"),
+                      vocab_size=64)
 
 
 def test_rows_survive_and_condense_fills_holes_from_the_tail():
@@ -64,7 +65,8 @@ def test_a_seeded_request_gets_its_generator_on_the_engine_device(monkeypatch):
             return self
 
     monkeypatch.setattr(input_batch.torch, "Generator", RecordingGenerator)
-    batch = InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cuda", 1))
+    batch = InputBatch(max_num_reqs=8, max_model_len=32, max_blocks_per_req=8, device=torch.device("cuda", 1),
+                       vocab_size=64)
     batch.add_request(_new("s", [1, 2], [1], seed=7))
     assert made_on == [torch.device("cuda", 1)]
 
