@@ -99,7 +99,7 @@ def kubeconfig_login(path: Path | None = None) -> Login:
     )
 
 
-def login() -> Login:
+def default_login() -> Login:
     """In a pod, its service account; elsewhere, the kubeconfig."""
     return in_cluster_login() if "KUBERNETES_SERVICE_HOST" in os.environ else kubeconfig_login()
 

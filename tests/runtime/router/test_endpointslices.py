@@ -110,12 +110,21 @@ class ApiServer(kmock.KubernetesEmulator):
         async for event in super()._serve_watch(request):
             if isinstance(event, dict) and event["type"] == "END":
                 return
+            if isinstance(event, dict) and event["type"] == "BREAK":
+                raise RuntimeError("broken by the test")  # kmock ends the stream with an ERROR event
             if not isinstance(event, dict) or event["type"] == "BOOKMARK" or _selected(request, event["object"]):
                 yield event
 
     async def end_watches(self) -> None:
         """End every open watch, as the server does at its timeoutSeconds."""
-        await self._buses[kmock.resource(SLICES)].put({"type": "END", "object": {"metadata": {"namespace": NAMESPACE}}})
+        await self._to_watches("END")
+
+    async def break_watches(self) -> None:
+        """Fail every open watch midway, as an API server that is restarting does."""
+        await self._to_watches("BREAK")
+
+    async def _to_watches(self, kind: str) -> None:
+        await self._buses[kmock.resource(SLICES)].put({"type": kind, "object": {"metadata": {"namespace": NAMESPACE}}})
 
     async def bookmark(self, version: str) -> None:
         await self._buses[kmock.resource(SLICES)].put(
@@ -166,12 +175,11 @@ async def until(probe: Callable[[], Any], what: str, timeout_s: float = 10) -> N
 
 
 @contextlib.asynccontextmanager
-async def watching(tmp_path: Path, port_name: str | None = "http", **before: Any) -> AsyncIterator[Fleet]:
-    """A fleet whose slices a watch follows, logged in from a kubeconfig; `before` sets the
-    server up before the watch starts."""
+async def watching(tmp_path: Path, port_name: str | None = "http", failing_lists: int = 0) -> AsyncIterator[Fleet]:
+    """A fleet whose slices a watch follows, logged in from a kubeconfig; the server fails the
+    first `failing_lists` lists."""
     server = ApiServer()
-    for attribute, value in before.items():
-        setattr(server, attribute, value)
+    server.failing_lists = failing_lists
     async with server, kmock.Server(server) as http, aiohttp.ClientSession(base_url=str(http.url)) as session:
         server.resources[SLICES] = kmock.ResourceInfo(
             kind="EndpointSlice", namespaced=True, verbs={"list", "watch", "create", "patch", "delete"})
@@ -256,6 +264,18 @@ async def test_an_expired_watch_lists_again(tmp_path: Path) -> None:
 
         await fleet.create(endpoint_slice("qwen-b", endpoint("10.0.0.2")))
         await fleet.publishes(Endpoint("http://10.0.0.1:8000"), Endpoint("http://10.0.0.2:8000"))
+
+
+@pytest.mark.asyncio
+async def test_a_broken_watch_lists_again(tmp_path: Path) -> None:
+    async with watching(tmp_path) as fleet:
+        await fleet.create(endpoint_slice("qwen-a", endpoint("10.0.0.1")))
+        await fleet.publishes(Endpoint("http://10.0.0.1:8000"))
+        await fleet.server.break_watches()
+        await until(lambda: len(fleet.server.lists) == 2, "a second list")
+
+        await fleet.delete("qwen-a")
+        await fleet.publishes()
 
 
 @pytest.mark.asyncio
