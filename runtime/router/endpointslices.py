@@ -141,8 +141,8 @@ class _Slices:
     def _publish_changes(self) -> None:
         endpoints = merged(self._endpoints.values())
         if endpoints != self._published:
-            self._published = endpoints
             self._publish(endpoints)
+            self._published = endpoints
 
 
 class _FailureLog:

@@ -118,8 +118,8 @@ class KubeClient:
         """The collection at `path` whose objects match the selector, with its resourceVersion."""
         params = {"labelSelector": label_selector}
         try:
-            async with self._connected().get(path, params=params, headers=self.login.headers(),
-                                             timeout=_LIST_TIMEOUT) as response:
+            async with self._connected().get(self.login.server + path, params=params,
+                                             headers=self.login.headers(), timeout=_LIST_TIMEOUT) as response:
                 await _raise_for_status(response)
                 return await response.json()
         except (OSError, TimeoutError, aiohttp.ClientError, ValueError) as error:
@@ -137,8 +137,8 @@ class KubeClient:
         }
         timeout = aiohttp.ClientTimeout(total=timeout_s + _WATCH_GRACE_S)
         try:
-            async with self._connected().get(path, params=params, headers=self.login.headers(),
-                                             timeout=timeout) as response:
+            async with self._connected().get(self.login.server + path, params=params,
+                                             headers=self.login.headers(), timeout=timeout) as response:
                 await _raise_for_status(response)
                 async for line in _lines(response.content):
                     event = json.loads(line)
@@ -153,7 +153,6 @@ class KubeClient:
         if self._session is None:
             ssl_context = self.login.ssl_context() if self.login.server.startswith("https:") else None
             self._session = aiohttp.ClientSession(
-                base_url=self.login.server,
                 connector=aiohttp.TCPConnector(ssl=ssl_context) if ssl_context else None,
                 headers={"User-Agent": "kvpilot-router"},
             )
