@@ -38,6 +38,7 @@ class Login:
     """Where the API server is, and how to prove who we are to it."""
 
     server: str
+    # The pod's own namespace, or the kubeconfig context's: where a Service named alone is looked for.
     namespace: str = "default"
     token: str | None = None
     # Read before every call: the kubelet rotates a service account's token while the pod runs.
