@@ -432,6 +432,16 @@ def _add_router(commands: argparse._SubParsersAction) -> None:
                           help="a replica's root URL, such as http://10.0.0.7:8000 (repeat for more)")
     backends.add_argument("--backends-file", metavar="FILE", type=Path,
                           help="a file of replica URLs, one a line; re-read when it changes")
+    backends.add_argument("--kubernetes-service", metavar="NAME",
+                          help="in Kubernetes: the engines' own Service, whose EndpointSlices are watched")
+    kubernetes = sub.add_argument_group("Kubernetes")
+    kubernetes.add_argument("--kubernetes-namespace", metavar="NS",
+                            help="the namespace of the Services named (default: the pod's own)")
+    kubernetes.add_argument("--kubernetes-port-name", metavar="NAME",
+                            help="the engines' port, by its name in the Service (default: its only port)")
+    kubernetes.add_argument("--kubernetes-peers-service", metavar="NAME",
+                            help="the routers' own Service: each tenant's maxConcurrentRequests is shared out among "
+                                 "the ready routers behind it (this router is http://$POD_IP:PORT, or --advertise-url)")
     routing = sub.add_argument_group("routing")
     routing.add_argument("--routing-strategy", choices=[s.value for s in RoutingStrategy],
                          default=RoutingStrategy.PREFIX_AWARE.value,
@@ -475,6 +485,41 @@ def _load_factor(text: str) -> float:
     return value
 
 
+def _kubernetes_login(args: argparse.Namespace):
+    """The login for the --kubernetes-* flags (the pod's service account, or the kubeconfig); None
+    without them. RuntimeError saying why there is none."""
+    if not (args.kubernetes_service or args.kubernetes_peers_service):
+        return None
+    from kvpilot.runtime.router.kube_client import default_login
+
+    try:
+        return default_login()
+    except (OSError, KeyError, TypeError, ValueError) as err:
+        raise RuntimeError(f"cannot log in to Kubernetes (no service account, no usable kubeconfig): {err!r}") from None
+
+
+def _router_peers(args: argparse.Namespace, parser: argparse.ArgumentParser, tenants, login):
+    """The source of the fleet's routers and this router's URL among them; (None, None) for a router alone."""
+    from kvpilot.runtime.router.backends import watch_url_file
+    from kvpilot.runtime.router.endpointslices import endpoint_slices_source
+
+    flag = "--peers-file" if args.peers_file else "--kubernetes-peers-service" if args.kubernetes_peers_service else None
+    if flag is None:
+        return None, None
+    if args.peers_file and args.kubernetes_peers_service:
+        parser.error("argument --peers-file: not allowed with argument --kubernetes-peers-service")
+    if tenants is None:
+        parser.error(f"argument {flag}: needs --tenants-file (the limits it shares out)")
+    own_url = args.advertise_url
+    if own_url is None and args.kubernetes_peers_service and os.environ.get("POD_IP"):
+        own_url = _backend_url(f"http://{os.environ['POD_IP']}:{args.port}")
+    if own_url is None:
+        parser.error(f"argument {flag}: needs --advertise-url (this router, as its peers see it)")
+    if args.peers_file:
+        return functools.partial(watch_url_file, args.peers_file, kind="router"), own_url
+    return endpoint_slices_source(args.kubernetes_peers_service, args.kubernetes_namespace, None, login), own_url
+
+
 def _router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.model_dir is not None and (problem := _missing_model(args.model_dir)):
         parser.error(f"argument MODEL: {problem}")
@@ -485,24 +530,27 @@ def _router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
     from kvpilot.runtime.router.app import RouterConfig
     from kvpilot.runtime.router.backends import static_backends, watch_url_file
+    from kvpilot.runtime.router.endpointslices import endpoint_slices_source
     from kvpilot.runtime.router.launcher import run_router
     from kvpilot.runtime.router.picking import RoutingStrategy
     from kvpilot.runtime.router.proxy import RouterSettings
 
     tenants = _tenants(args, parser)
-    if args.peers_file is not None and (args.advertise_url is None or tenants is None):
-        parser.error("argument --peers-file: needs --advertise-url (this router, as the file lists it) and "
-                     "--tenants-file (the limits it shares out)")
     try:
+        login = _kubernetes_login(args)
         model = args.model_dir or str(ensure_default_model())
         tokenizer, tokenizer_config = load_tokenizer(model, args.tokenizer)
-    except (DefaultModelError, ValueError, OSError) as err:
+    except (DefaultModelError, ValueError, OSError, RuntimeError) as err:
         print(f"kvpilot router: error: {err}", file=sys.stderr)
         return 1
+    peers, own_url = _router_peers(args, parser, tenants, login)
     if args.backend:
         backends = static_backends(args.backend)
-    else:
+    elif args.backends_file:
         backends = functools.partial(watch_url_file, args.backends_file)
+    else:
+        backends = endpoint_slices_source(args.kubernetes_service, args.kubernetes_namespace,
+                                          args.kubernetes_port_name, login)
     limits = ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)})
     config = RouterConfig(
         settings=RouterSettings(RoutingStrategy(args.routing_strategy), args.bounded_load_factor, args.hold_timeout,
@@ -510,8 +558,7 @@ def _router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         backends=backends, tokenizer=tokenizer, tokenizer_config=tokenizer_config, kv_events=args.kv_events,
         max_held_requests=args.max_held_requests, api_key=api_key, tenants=tenants,
         trust_tenant_header=args.trust_tenant_header,
-        peers=None if args.peers_file is None else functools.partial(watch_url_file, args.peers_file, kind="router"),
-        own_url=args.advertise_url,
+        peers=peers, own_url=own_url,
     )
     try:
         return run_router(config, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from kvpilot.runtime.router.backends import Endpoint
-from kvpilot.runtime.router.kube_client import ApiError, KubeClient
+from kvpilot.runtime.router.kube_client import ApiError, KubeClient, Login, default_login
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +161,18 @@ class _FailureLog:
         if self._kind is not None:
             self._kind = None
             logger.info("Reading %s's EndpointSlices works again", self._service)
+
+
+def endpoint_slices_source(service: str, namespace: str | None, port_name: str | None, login: Login | None = None
+                           ) -> Callable[[Callable[[list[Endpoint]], None]], Awaitable[None]]:
+    """A backend source (app.py) following `service`'s EndpointSlices in `namespace` (default: the
+    login's own, the pod's namespace in a cluster)."""
+
+    async def source(publish: Callable[[list[Endpoint]], None]) -> None:
+        client = KubeClient(login or default_login())
+        try:
+            await watch_endpoint_slices(client, namespace or client.login.namespace, service, port_name, publish)
+        finally:
+            await client.close()
+
+    return source

@@ -105,6 +105,15 @@ def test_a_greedy_stream_cut_mid_way_resumes_on_another_replica_as_one_stream(re
         assert router.metric("kvpilot:router_resumes_total", replica=second.url) == 1
 
 
+def test_a_client_that_asked_for_token_ids_gets_them_across_a_resume(replicas, tiny_llama_dir, tmp_path):
+    first, second = replicas
+    first.behaviour.mode = "cut"
+    with routed(tiny_llama_dir, tmp_path, first.url, second.url) as router:
+        events = stream(router, seed=7, return_token_ids=True)
+        ids = [t for e in events if isinstance(e, dict) for t in e["choices"][0].get("token_ids", [])]
+        assert ids == list(range(100, 108))
+
+
 def test_a_sampled_stream_without_a_seed_ends_with_an_error_event_when_cut(replicas, tiny_llama_dir, tmp_path):
     first, second = replicas
     first.behaviour.mode = "cut"
