@@ -116,6 +116,9 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     route.add_argument("--routing", type=_routing_list, default=["service"], metavar="R1,R2,...",
                        help="how requests reach replicas, each run in turn: service (a Kubernetes Service, uniformly "
                             "at random), or kvpilot router's prefix-aware, least-loaded or round-robin")
+    route.add_argument("--router-counts", choices=("interval", "fresh"), default="interval",
+                       help="the engines' running and waiting counts the router reads: as of the last control "
+                            "interval (a scrape each interval, as the operator's), or as of each request")
 
     out = sim.add_argument_group("output")
     out.add_argument("--ttft-slo", type=positive_float, default=1.0, metavar="SECONDS",
@@ -193,7 +196,8 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             label = name if len(args.routing) == 1 else f"{name} {routing}"
             loop = strategies.build(name, settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean)
             run = fleet.simulate(loaded, loop, chosen, engine, priorities=priorities, seed=args.seed,
-                                 progress=_progress_bar(label, len(loaded)) if show else None, routing_name=routing)
+                                 progress=_progress_bar(label, len(loaded)) if show else None, routing_name=routing,
+                                 fresh_counts=args.router_counts == "fresh")
             summaries.append(report.summary(run, args.ttft_slo))
             all_series[label] = report.series(run)
     print(report.table(summaries))

@@ -167,11 +167,14 @@ def sizes(trace: Trace, profile: Profile, engine: Engine, kv_cache_usage: float)
 
 def simulate(trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine, *,
              priorities: Sequence[int] = (), seed: int = 0, check_invariants: bool = False,
-             progress: Callable[[int], None] | None = None, routing_name: str = routing.SERVICE) -> Run:
-    """Run `loop` over `trace`, its requests placed by `routing_name` (one of routing.NAMES).
+             progress: Callable[[int], None] | None = None, routing_name: str = routing.SERVICE,
+             fresh_counts: bool = False) -> Run:
+    """Run `loop` over `trace`, its requests placed by `routing_name` (one of routing.NAMES; a
+    router reads the engines' counts at each control interval, or at each request with `fresh_counts`).
     `priorities[t]` is tenant t's engine priority (lower first; 0 when not given). With
     `check_invariants`, every interval checks the KV pools and the ledger."""
-    router = None if routing_name == routing.SERVICE else routing.Router(routing.RoutingStrategy(routing_name))
+    router = None if routing_name == routing.SERVICE else routing.Router(routing.RoutingStrategy(routing_name),
+                                                                         fresh_counts=fresh_counts)
     simulation = _Simulation(trace, loop, profile, engine, priorities, seed, check_invariants, progress, router)
     # The run makes no reference cycles, and holds hundreds of thousands of live requests and
     # heap entries, which the cyclic collector would walk again and again: a fifth of the run.

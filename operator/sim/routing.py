@@ -1,7 +1,9 @@
 """`kvpilot router` in front of the simulated replicas: each request placed by the router's own
 picking (`picking.rank`), on the replicas' states as one router sees them:
 - `in_flight`: the requests it sent there that have not ended, fresh;
-- `running`, `waiting`: the engine's counts at the last control interval's reading;
+- `running`, `waiting`: the engine's counts as of the last control interval's reading (the
+  router scrapes the engines as the operator does), or as of the request (`fresh_counts`: a
+  router that reads them continuously);
 - `prefix_blocks`: the leading blocks of the request's prompt the replica's prefix cache holds
   (the engine's KV events, without their delay).
 
@@ -26,8 +28,9 @@ NAMES = (SERVICE, *(strategy.value for strategy in RoutingStrategy))
 
 
 class Router:
-    def __init__(self, strategy: RoutingStrategy) -> None:
+    def __init__(self, strategy: RoutingStrategy, *, fresh_counts: bool = False) -> None:
         self.strategy = strategy
+        self.fresh_counts = fresh_counts
         self.turn = 0  # round-robin's counter: one per request placed
         self.states: dict[int, ReplicaState] = {}
         self.stale: set[int] = set()
@@ -71,6 +74,9 @@ class Router:
 
     def _state(self, rid: int, replica: replica_model.Replica, request: replica_model.Request) -> ReplicaState:
         self.rids[replica.name] = rid
-        running, waiting = self.readings.get(rid, (0, 0))
+        if self.fresh_counts:
+            running, waiting = replica.num_running, replica.num_waiting
+        else:
+            running, waiting = self.readings.get(rid, (0, 0))
         return ReplicaState(replica.name, in_flight=replica.num_running + replica.num_waiting, running=running,
                             waiting=waiting, prefix_blocks=replica.held_blocks(request))

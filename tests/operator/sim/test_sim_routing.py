@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvpilot.operator.sim import cli, fleet, profile, report, routing, strategies, trace
+from kvpilot.operator.sim import replica as replica_model
 
 H200 = profile.BUILTIN["h200-llama-8b"]
 
@@ -61,3 +62,28 @@ def test_the_command_line_knows_the_routers_strategies():
 def test_unknown_routing_is_refused():
     with pytest.raises(ValueError):
         run(trace.poisson(1.0, 10.0, 10, 10, seed=0), "sticky")
+
+
+class Ledger:
+    def first_token(self, request, now): pass
+    def finished(self, request, now): pass
+    def timed_out(self, request, now): pass
+
+
+def test_the_router_reads_the_engines_counts_at_the_interval_unless_fresh():
+    replicas = [replica_model.Replica(f"r{i}", H200, max_num_seqs=8, max_num_batched_tokens=8192, timeout=60.0,
+                                      ledger=Ledger()) for i in range(2)]
+    for index in range(3):
+        replicas[0].add(replica_model.Request(index, 0.0, 100, 2, 0), 0.0)
+    replicas[1].add(replica_model.Request(3, 0.0, 100, 1000, 0), 0.0)
+    interval = routing.Router(routing.RoutingStrategy.LEAST_LOADED)
+    fresh = routing.Router(routing.RoutingStrategy.LEAST_LOADED, fresh_counts=True)
+    for router in (interval, fresh):
+        router.read(replicas, [0, 1])  # r0 holds 3 requests, r1 one
+    replicas[0].play((), 10.0)  # r0's end; r1's is minutes away
+    assert replicas[0].empty()
+    for router in (interval, fresh):
+        router.ran(0)
+    # As of the reading r0 still carries 3 requests; as of the request, none.
+    assert interval.pick(replica_model.Request(4, 10.0, 100, 2, 0), replicas, [0, 1]) == 1
+    assert fresh.pick(replica_model.Request(4, 10.0, 100, 2, 0), replicas, [0, 1]) == 0
