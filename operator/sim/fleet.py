@@ -295,7 +295,7 @@ class _Simulation:
     def _place(self, index: int) -> None:
         """Arrival `index` through the router: every replica runs up to just before it (a step
         ending at the same time ends after it, as in play()), then the router picks on their states."""
-        now = self.reaches[index]
+        now = float(self.reaches[index])
         before = math.nextafter(now, -math.inf)
         for rid in np.flatnonzero(self.due <= before).tolist():
             self._play(rid, (), before)

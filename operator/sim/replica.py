@@ -447,6 +447,7 @@ class Replica:
         self.prefill_blocks -= request.blocks
         request.blocks = 0
         if request.conversation:
+            # Its prompt's full blocks are computed: from now on other requests can hit them.
             full = (request.prompt + request.generated) // self._size
             self.cache.pin(request.conversation, request.shared_blocks, request.pinned, full)
             request.pinned = full
