@@ -11,6 +11,12 @@ from kvpilot.operator.sim import replica as replica_model
 H200 = profile.BUILTIN["h200-llama-8b"]
 
 
+class Ledger:
+    def first_token(self, request, now): pass
+    def finished(self, request, now): pass
+    def timed_out(self, request, now): pass
+
+
 def test_each_turn_sends_the_conversation_so_far_then_its_own_message():
     load = trace.multi_turn(2.0, 600.0, 100, 50, seed=1, turns=4, think_seconds=10.0, system_tokens=300)
     assert load.shared_tokens == 300 and np.all(np.diff(load.time) >= 0)
@@ -62,12 +68,6 @@ def test_the_command_line_knows_the_routers_strategies():
 def test_unknown_routing_is_refused():
     with pytest.raises(ValueError):
         run(trace.poisson(1.0, 10.0, 10, 10, seed=0), "sticky")
-
-
-class Ledger:
-    def first_token(self, request, now): pass
-    def finished(self, request, now): pass
-    def timed_out(self, request, now): pass
 
 
 def test_the_router_reads_the_engines_counts_at_the_interval_unless_fresh():
