@@ -10,7 +10,9 @@ from pathlib import Path
 
 from kvpilot.runtime.argtypes import DefaultsHelpFormatter, non_negative_float, positive_float, positive_int
 
-BUILTIN_TRACES = ("poisson", "diurnal", "flash-crowd", "two-tenant")
+BUILTIN_TRACES = ("poisson", "diurnal", "flash-crowd", "two-tenant", "multi-turn")
+# routing.NAMES, spelled out so that the command line loads without numpy.
+ROUTINGS = ("service", "prefix-aware", "least-loaded", "round-robin")
 # The two-tenant mix's tenants, as CRD priorities (higher = more important).
 TWO_TENANT_PRIORITIES = {"interactive": 1, "batch": 0}
 
@@ -22,6 +24,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
 def _tenant_priority(text: str) -> tuple[str, int]:
     name, _, priority = text.partition("=")
     if name and priority.lstrip("-").isdigit():
@@ -29,14 +38,22 @@ def _tenant_priority(text: str) -> tuple[str, int]:
     raise argparse.ArgumentTypeError(f"must be TENANT=PRIORITY (an integer), got {text}")
 
 
+def _names(text: str, known: tuple[str, ...], kind: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {kind} {', '.join(unknown) or repr(text)}: from {', '.join(known)}")
+    return names
+
+
 def _strategy_list(text: str) -> list[str]:
     from kvpilot.operator.sim.strategies import NAMES
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in NAMES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown) or repr(text)}: from {', '.join(NAMES)}")
-    return names
+    return _names(text, NAMES, "strategy")
+
+
+def _routing_list(text: str) -> list[str]:
+    return _names(text, ROUTINGS, "routing")
 
 
 def add_simulate(commands: argparse._SubParsersAction) -> None:
@@ -55,11 +72,21 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
                            "batch flood (two-tenant: interactive at a fifth of it) rate")
     load.add_argument("--duration", type=positive_float, metavar="SECONDS",
                       help="generators: the trace's length (default: 86400 for diurnal, else 3600)")
-    load.add_argument("--prompt-tokens", type=positive_int, default=512, help="generators: mean prompt length")
+    load.add_argument("--prompt-tokens", type=positive_int, default=512,
+                      help="generators: mean prompt length (multi-turn: of each turn's new message)")
     load.add_argument("--output-tokens", type=positive_int, default=256, help="generators: mean output length")
     load.add_argument("--seed", type=int, default=0, help="the trace's and the routing's seed")
     load.add_argument("--tenant-priority", type=_tenant_priority, action="append", default=[], metavar="TENANT=N",
                       help="a tenant's CRD priority (higher = more important; default 0; two-tenant: interactive=1)")
+    load.add_argument("--turns", type=positive_int, default=4,
+                      help="multi-turn: mean turns per conversation (uniform from 1 to twice this less 1)")
+    load.add_argument("--think-seconds", type=non_negative_float, default=30.0,
+                      help="multi-turn: mean time from one turn's request to the next (exponential)")
+    load.add_argument("--system-tokens", type=_non_negative_int, default=1000, metavar="TOKENS",
+                      help="multi-turn: the system prompt every conversation starts with (0: none)")
+    load.add_argument("--conversation-arrivals", choices=("poisson", "diurnal", "flash-crowd"), default="poisson",
+                      help="multi-turn: how new conversations arrive (--rate / --turns per second, on average "
+                           "or at the base, as the trace of that name)")
 
     fleet = sim.add_argument_group("replicas")
     fleet.add_argument("--profile", default="h200-llama-8b",
@@ -84,6 +111,14 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     control.add_argument("--scale-up-stabilization-seconds", type=non_negative_float, default=0.0)
     control.add_argument("--scale-down-stabilization-seconds", type=non_negative_float, default=300.0)
     control.add_argument("--calm-window-seconds", type=non_negative_float, default=300.0)
+
+    route = sim.add_argument_group("routing")
+    route.add_argument("--routing", type=_routing_list, default=["service"], metavar="R1,R2,...",
+                       help="how requests reach replicas, each run in turn: service (a Kubernetes Service, uniformly "
+                            "at random), or kvpilot router's prefix-aware, least-loaded or round-robin")
+    route.add_argument("--router-counts", choices=("interval", "fresh"), default="interval",
+                       help="the engines' running and waiting counts the router reads: as of the last control "
+                            "interval (a scrape each interval, as the operator's), or as of each request")
 
     out = sim.add_argument_group("output")
     out.add_argument("--ttft-slo", type=positive_float, default=1.0, metavar="SECONDS",
@@ -120,7 +155,13 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not math.isfinite(getattr(args, flag) or 0.0):
             parser.error(f"argument --{flag}: must be finite")
     try:
-        if args.trace in BUILTIN_TRACES:
+        if args.trace == "multi-turn":
+            daylong = args.conversation_arrivals == "diurnal"
+            loaded = trace.multi_turn(args.rate, args.duration or (trace.DAY if daylong else 3600.0),
+                                      args.prompt_tokens, args.output_tokens, args.seed, turns=args.turns,
+                                      think_seconds=args.think_seconds, system_tokens=args.system_tokens,
+                                      pattern=args.conversation_arrivals)
+        elif args.trace in BUILTIN_TRACES:
             duration = args.duration or (trace.DAY if args.trace == "diurnal" else 3600.0)
             loaded = trace.GENERATORS[args.trace](args.rate, duration, args.prompt_tokens, args.output_tokens,
                                                   args.seed)
@@ -151,11 +192,14 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f" {sizes.capacity:.3g} requests/s: static-peak {sizes.peak}, static-mean {sizes.mean} replicas")
     summaries, all_series = [], {}
     for name in args.strategies or strategies.NAMES:
-        loop = strategies.build(name, settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean)
-        run = fleet.simulate(loaded, loop, chosen, engine, priorities=priorities, seed=args.seed,
-                             progress=_progress_bar(name, len(loaded)) if show else None)
-        summaries.append(report.summary(run, args.ttft_slo))
-        all_series[name] = report.series(run)
+        for routing in args.routing:
+            label = name if len(args.routing) == 1 else f"{name} {routing}"
+            loop = strategies.build(name, settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean)
+            run = fleet.simulate(loaded, loop, chosen, engine, priorities=priorities, seed=args.seed,
+                                 progress=_progress_bar(label, len(loaded)) if show else None, routing_name=routing,
+                                 fresh_counts=args.router_counts == "fresh")
+            summaries.append(report.summary(run, args.ttft_slo))
+            all_series[label] = report.series(run)
     print(report.table(summaries))
     events = sum(s["events"] for s in summaries)
     wall = sum(s["wall_seconds"] for s in summaries)

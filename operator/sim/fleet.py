@@ -16,7 +16,10 @@ heap of every replica's step events):
 - Events are steps, and runs of decode-only steps in closed form (replica.py); none per token.
 
 Kubernetes is modelled as far as the control loop sees it: a Service spreads requests uniformly
-at random over the ready replicas (none ready: the request is dropped); a new replica is ready
+at random over the ready replicas (none ready: the request is dropped), or `kvpilot router`
+places them (routing.py). The router reads the replicas' states as each request arrives, so
+then the replicas are played in time order up to each arrival, and only the Service's stretches
+are routed in arrays as above. A new replica is ready
 `startup_seconds` after spec.replicas asks for it (image pull and weight load; it costs from the
 start); a scale-down removes starting replicas first, then the newest ready ones, which take no
 new requests and finish what they hold before they go (cost runs until then). The metrics a
@@ -28,6 +31,7 @@ from __future__ import annotations
 import array
 import gc
 import heapq
+import itertools
 import math
 import sys
 import time
@@ -39,6 +43,7 @@ import numpy as np
 
 from kvpilot.operator import samples
 from kvpilot.operator.sim import replica as replica_model
+from kvpilot.operator.sim import routing
 from kvpilot.operator.sim.profile import Profile
 from kvpilot.operator.sim.strategies import ControlLoop
 from kvpilot.operator.sim.trace import Trace
@@ -91,6 +96,10 @@ class Run:
     wall_seconds: float = 0.0
     # The process's CPU time: on a shared machine, what the run cost apart from waiting for a core.
     cpu_seconds: float = 0.0
+    routing: str = routing.SERVICE
+    # Over admissions of requests of a conversation, fleet-wide: tokens to prefill, and those cached.
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
 
 
 class InvariantError(AssertionError):
@@ -158,10 +167,15 @@ def sizes(trace: Trace, profile: Profile, engine: Engine, kv_cache_usage: float)
 
 def simulate(trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine, *,
              priorities: Sequence[int] = (), seed: int = 0, check_invariants: bool = False,
-             progress: Callable[[int], None] | None = None) -> Run:
-    """Run `loop` over `trace`. `priorities[t]` is tenant t's engine priority (lower first; 0 when
-    not given). With `check_invariants`, every interval checks the KV pools and the ledger."""
-    simulation = _Simulation(trace, loop, profile, engine, priorities, seed, check_invariants, progress)
+             progress: Callable[[int], None] | None = None, routing_name: str = routing.SERVICE,
+             fresh_counts: bool = False) -> Run:
+    """Run `loop` over `trace`, its requests placed by `routing_name` (one of routing.NAMES; a
+    router reads the engines' counts at each control interval, or at each request with `fresh_counts`).
+    `priorities[t]` is tenant t's engine priority (lower first; 0 when not given). With
+    `check_invariants`, every interval checks the KV pools and the ledger."""
+    router = None if routing_name == routing.SERVICE else routing.Router(routing.RoutingStrategy(routing_name),
+                                                                         fresh_counts=fresh_counts)
+    simulation = _Simulation(trace, loop, profile, engine, priorities, seed, check_invariants, progress, router)
     # The run makes no reference cycles, and holds hundreds of thousands of live requests and
     # heap entries, which the cyclic collector would walk again and again: a fifth of the run.
     collecting = gc.isenabled()
@@ -178,7 +192,7 @@ class _Simulation:
 
     def __init__(self, trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine,
                  priorities: Sequence[int], seed: int, check_invariants: bool,
-                 progress: Callable[[int], None] | None) -> None:
+                 progress: Callable[[int], None] | None, router: routing.Router | None) -> None:
         count = len(trace)
         self.trace = trace
         self.loop = loop
@@ -191,7 +205,8 @@ class _Simulation:
         self.progress = progress
         self.ledger = _Ledger(count)
         self.result = Run(loop.name, trace, np.frombuffer(self.ledger.first), np.frombuffer(self.ledger.finish),
-                          np.frombuffer(self.ledger.outcome, np.int8), Series())
+                          np.frombuffer(self.ledger.outcome, np.int8), Series(),
+                          routing=routing.SERVICE if router is None else router.strategy.value)
         self.readies: list[tuple[float, int]] = []  # heap of (when, replica) start-ups under way
         self.replicas: list[replica_model.Replica] = []
         self.state: list[int] = []
@@ -206,6 +221,9 @@ class _Simulation:
         # When each arrival reaches a replica's scheduler (its TTFT still counts from the trace's time).
         self.reaches = trace.time + profile.frontend_s if profile.frontend_s else trace.time
         self.steps = 0  # replica step (or decode run) ends handled, for the events count
+        self.router = router
+        self.conversation = np.zeros(count, np.int64) if trace.conversation is None else trace.conversation
+        self.shared_blocks = trace.shared_tokens // profile.block_size
 
     def run(self) -> Run:
         started, cpu = time.perf_counter(), time.process_time()
@@ -240,6 +258,8 @@ class _Simulation:
         result.replica_seconds = float(np.sum(died - born))
         result.events = self.steps + controls + len(trace)
         result.preemptions = sum(r.preemptions for r in self.replicas)
+        result.prompt_tokens = sum(r.prompt_tokens for r in self.replicas)
+        result.hit_tokens = sum(r.hit_tokens for r in self.replicas)
         result.wall_seconds = time.perf_counter() - started
         result.cpu_seconds = time.process_time() - cpu
         return result
@@ -251,7 +271,11 @@ class _Simulation:
         self.arrived = high
         visits: dict[int, list[replica_model.Request]] = {}
         if high > low:
-            visits = self._route(low, high)
+            if self.router is None:
+                visits = self._route(low, high)
+            else:
+                for index in range(low, high):
+                    self._place(index)
             if self.progress is not None:
                 self.progress(high)
         for rid in np.flatnonzero(self.due <= until).tolist():
@@ -263,8 +287,28 @@ class _Simulation:
         replica = self.replicas[rid]
         self.steps += replica.play(arrivals, until)
         self.due[rid] = replica.due
+        if self.router is not None:
+            self.router.ran(rid)
         if rid in self.draining and replica.empty():
             self._gone(rid, replica.clock)
+
+    def _place(self, index: int) -> None:
+        """Arrival `index` through the router: every replica runs up to just before it (a step
+        ending at the same time ends after it, as in play()), then the router picks on their states."""
+        now = float(self.reaches[index])
+        before = math.nextafter(now, -math.inf)
+        for rid in np.flatnonzero(self.due <= before).tolist():
+            self._play(rid, (), before)
+        trace = self.trace
+        prompt, output = int(trace.prompt[index]), int(trace.output[index])
+        if not self.ready or not self.replicas[self.ready[0]].fits(prompt, output):
+            self.result.outcome[index] = DROPPED
+            self.result.finish[index] = trace.time[index]
+            return
+        request = replica_model.Request(index, now, prompt, output, int(self.priorities[trace.tenant[index]]),
+                                        int(self.conversation[index]), self.shared_blocks)
+        self.ledger.in_system += 1
+        self._play(self.router.pick(request, self.replicas, self.ready), (request,), before)
 
     def _route(self, low: int, high: int) -> dict[int, list[replica_model.Request]]:
         """Arrivals low..high-1 spread uniformly over the ready replicas, each given its own, in
@@ -293,7 +337,9 @@ class _Simulation:
         picks = picks[order]
         requests = list(map(replica_model.Request, (low + taken).tolist(), self.reaches[low:high][taken].tolist(),
                             prompt[taken].tolist(), output[taken].tolist(),
-                            self.priorities[trace.tenant[low:high][taken]].tolist()))
+                            self.priorities[trace.tenant[low:high][taken]].tolist(),
+                            self.conversation[low:high][taken].tolist(),
+                            itertools.repeat(self.shared_blocks)))
         self.ledger.in_system += len(requests)
         starts = [0, *(np.flatnonzero(picks[1:] != picks[:-1]) + 1).tolist()]
         ends = [*starts[1:], len(requests)]
@@ -326,6 +372,8 @@ class _Simulation:
             pods[name] = pod_sample(name, usage, num_waiting, replica.num_running, now, replica.finished)
             waiting += num_waiting
             kv_total += usage
+        if self.router is not None:
+            self.router.read(replicas, ready)
         if self.check:
             self._check_pools(now)
         series = self.result.series
@@ -393,6 +441,8 @@ class _Simulation:
         self.state[rid] = _RUNNING
         self.replicas[rid].set_policy(self.policy)
         self.ready.append(rid)
+        if self.router is not None:
+            self.router.ran(rid)
 
     def _gone(self, rid: int, now: float) -> None:
         self.state[rid] = _GONE

@@ -19,6 +19,12 @@ Where it is exact, and where it is not:
   request admitted holds blocks for its whole prompt at once (the engine allocates per chunk).
 - A waiting request whose first token has not come within the request timeout is dropped from the
   queue at the next admission or control interval (its client gave up), counted as timed out.
+- Prefix caching (cache.py), for requests of a conversation: at admission a request's prefill
+  starts after its leading blocks the replica holds (all but its last token at most, which the
+  engine always computes); they still count in its blocks, as above, so the pool's accounting and
+  the decode runs are unchanged. The cache keeps the freed blocks in the room the running
+  requests leave, trimmed at admissions (the engine evicts as it allocates: between admissions a
+  decode run may grow into room the cache still holds).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvpilot.operator.sim.cache import PrefixCache
 from kvpilot.operator.sim.profile import Profile
 
 FCFS = "fcfs"
@@ -40,9 +47,11 @@ IDLE, STEP, RUN = 0, 1, 2
 
 class Request:
     __slots__ = ("index", "arrival", "prompt", "output", "priority", "first_token", "generated",
-                 "blocks", "remaining", "computed", "admitted", "joined", "entry")
+                 "blocks", "remaining", "computed", "admitted", "joined", "entry", "conversation",
+                 "shared_blocks", "pinned")
 
-    def __init__(self, index: int, arrival: float, prompt: int, output: int, priority: int) -> None:
+    def __init__(self, index: int, arrival: float, prompt: int, output: int, priority: int,
+                 conversation: int = 0, shared_blocks: int = 0) -> None:
         self.index = index
         self.arrival = arrival
         self.prompt = prompt
@@ -56,6 +65,9 @@ class Request:
         self.admitted = 0  # admission order, for fcfs preemption
         self.joined = 0  # the replica's step count when generated tokens were 0 (decoding only)
         self.entry = -1  # its live entry in the decoding heap; -1 when not decoding
+        self.conversation = conversation  # 0: shares no block with any other request
+        self.shared_blocks = shared_blocks  # leading blocks every conversation shares (the system prompt)
+        self.pinned = 0  # leading blocks it holds in the prefix cache
 
 
 class Ledger(Protocol):
@@ -70,8 +82,8 @@ class Replica:
     __slots__ = ("name", "profile", "max_num_seqs", "max_num_batched_tokens", "timeout", "ledger", "policy",
                  "waiting", "prefilling", "decoding", "num_decoding", "sum_prompt", "sum_joined", "steps",
                  "prefill_blocks", "mode", "run_start", "run_steps", "run_first", "chunks", "preemptions",
-                 "admissions", "ranked", "finished", "due", "clock", "_order", "_pool", "_size", "_base",
-                 "_per_token", "_per_sequence", "_per_context")
+                 "admissions", "ranked", "finished", "due", "clock", "cache", "prompt_tokens", "hit_tokens",
+                 "_order", "_pool", "_size", "_base", "_per_token", "_per_sequence", "_per_context")
 
     def __init__(self, name: str, profile: Profile, *, max_num_seqs: int, max_num_batched_tokens: int,
                  timeout: float, ledger: Ledger, policy: str = FCFS) -> None:
@@ -106,6 +118,10 @@ class Replica:
         self.ranked: list[tuple[int, float, int, Request]] = []
         self.due = math.inf  # when the step (or run) in flight ends; inf when idle
         self.clock = 0.0  # when the last one ended
+        self.cache = PrefixCache()
+        # Over admissions of requests of a conversation: tokens to prefill, and those found cached.
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
         self._order = itertools.count()
         # The profile's figures, read on every step.
         self._pool = profile.num_gpu_blocks
@@ -174,8 +190,7 @@ class Replica:
             _, entry, request = heapq.heappop(decoding)
             if request.entry == entry:
                 self._stop_decoding(request)
-                self.finished += 1
-                self.ledger.finished(request, now)
+                self._finished(request, now)
         return self._plan(now)
 
     def nudge(self, now: float) -> float | None:
@@ -246,6 +261,12 @@ class Replica:
 
     def empty(self) -> bool:
         return not self.waiting and not self.prefilling and not self.num_decoding
+
+    def held_blocks(self, request: Request) -> int:
+        """Leading blocks of `request`'s prompt held here: what the replica's KV events tell a router."""
+        if not request.conversation:
+            return 0
+        return self.cache.leading(request.conversation, request.shared_blocks, request.prompt // self._size)
 
     def fits(self, prompt: int, output: int) -> bool:
         """Whether one request could ever run here alone."""
@@ -367,8 +388,10 @@ class Replica:
                 running += 1
                 self.prefill_blocks += need
                 request.blocks = need
-                chunk = request.remaining = request.prompt + request.generated
-                request.computed = 0
+                length = request.prompt + request.generated
+                hit = self._hit(request, length, pool - used + need) if request.conversation else 0
+                chunk = request.remaining = length - hit
+                request.computed = hit
                 admitted = request.admitted = next(self._order)
                 self.admissions.append((admitted, request))
                 if ranked is not None:
@@ -379,7 +402,7 @@ class Replica:
                 chunks.append((request, chunk))
                 budget -= chunk
                 tokens += chunk
-                context += chunk
+                context += hit + chunk
             if len(self.admissions) > 2 * running + 64:
                 self._compact()
         if tokens == 0:
@@ -392,17 +415,48 @@ class Replica:
                                 + self._per_context * context)
         return due
 
+    def _hit(self, request: Request, length: int, room: int) -> int:
+        """Tokens of a prompt of `length` tokens that need no prefill: its leading blocks held here,
+        all but the last token at most. `room`: the free blocks before the request's own."""
+        cache = self.cache
+        size = self._size
+        cache.trim(room)
+        blocks = cache.leading(request.conversation, request.shared_blocks, (length - 1) // size)
+        cache.pin(request.conversation, request.shared_blocks, 0, blocks)
+        request.pinned = blocks
+        cache.trim(room - request.blocks)
+        self.prompt_tokens += length
+        self.hit_tokens += blocks * size
+        return blocks * size
+
+    def _unpin(self, request: Request, computed_tokens: int) -> None:
+        """`request` stops running; the blocks of its first `computed_tokens` stay cached."""
+        self.cache.release(request.conversation, request.shared_blocks, request.pinned,
+                           computed_tokens // self._size)
+        request.pinned = 0
+
+    def _finished(self, request: Request, now: float) -> None:
+        if request.conversation:
+            # The last token's KV is never computed: it is sampled, not fed back.
+            self._unpin(request, request.prompt + request.output - 1)
+        self.finished += 1
+        self.ledger.finished(request, now)
+
     def _prefilled(self, request: Request, now: float) -> None:
         self.prefilling.remove(request)
         self.prefill_blocks -= request.blocks
         request.blocks = 0
+        if request.conversation:
+            # Its prompt's full blocks are computed: from now on other requests can hit them.
+            full = (request.prompt + request.generated) // self._size
+            self.cache.pin(request.conversation, request.shared_blocks, request.pinned, full)
+            request.pinned = full
         if request.first_token is None:
             request.first_token = now
             self.ledger.first_token(request, now)
         generated = request.generated + 1
         if generated >= request.output:
-            self.finished += 1
-            self.ledger.finished(request, now)
+            self._finished(request, now)
             return
         joined = request.joined = self.steps - generated
         entry = request.entry = next(self._order)
@@ -422,6 +476,8 @@ class Replica:
         if victim.entry >= 0:
             victim.generated = self.steps - victim.joined
             self._stop_decoding(victim)
+            if victim.conversation:
+                self._unpin(victim, victim.prompt + victim.generated - 1)
             # Its heap entry stays until its old finishing step; drop such entries once they outnumber the live.
             if len(self.decoding) > 2 * self.num_decoding + 64:
                 self.decoding = [item for item in self.decoding if item[2].entry == item[1]]
@@ -430,6 +486,8 @@ class Replica:
             self.prefilling.remove(victim)
             self.prefill_blocks -= victim.blocks
             victim.blocks = 0
+            if victim.conversation:
+                self._unpin(victim, 0)
         self.preemptions += 1
         self._queue(victim)
 

@@ -1,4 +1,5 @@
-"""A run's figures: cost, latency, SLO attainment, what was lost, and how often it scaled."""
+"""A run's figures: cost, latency, SLO attainment, what was lost, how often it scaled, and how
+much of the prompts the replicas' prefix caches held."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvpilot.operator.sim.fleet import DROPPED, SERVED, TIMED_OUT, Run
+from kvpilot.operator.sim.routing import SERVICE
 
 
 def _percentile(values: np.ndarray, q: float) -> float | None:
@@ -29,6 +31,7 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
     duration = trace.duration
     return {
         "strategy": run.strategy,
+        "routing": run.routing,
         "requests": len(trace),
         "served": int(served.sum()),
         "dropped": int((run.outcome == DROPPED).sum()),
@@ -42,6 +45,8 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
         "scale_events": run.scale_events,
         "max_replicas": max(r + s for r, s in zip(run.series.ready, run.series.starting)) if run.series.time else 0,
         "preemptions": run.preemptions,
+        # Of the prompt tokens admitted (prefills recomputed after a preemption included).
+        "prefix_hit_rate": run.hit_tokens / run.prompt_tokens if run.prompt_tokens else None,
         "ttft_p99_s_by_tenant": per_tenant,
         "mean_in_system": float(np.mean(run.series.in_system)) if run.series.time else 0.0,
         "arrival_rate": len(trace) / duration,
@@ -62,15 +67,19 @@ def _cell(value: Any, digits: int = 3) -> str:
 
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
-    """A markdown table, one row per strategy."""
+    """A markdown table, one row per strategy (and routing, where any run had a router or prefixes
+    to share)."""
     tenants = sorted({name for s in summaries for name in s["ttft_p99_s_by_tenant"]})
-    header = ["strategy", "replica-h", "TTFT p50 s", "TTFT p99 s", "e2e p99 s", "SLO", "dropped", "timed out",
-              "scale events", "max replicas"]
+    routed = any(s["routing"] != SERVICE or s["prefix_hit_rate"] is not None for s in summaries)
+    header = ["strategy", *(["routing", "prefix hits"] if routed else []), "replica-h", "TTFT p50 s", "TTFT p99 s",
+              "e2e p99 s", "SLO", "dropped", "timed out", "scale events", "max replicas"]
     if len(tenants) > 1:
         header += [f"TTFT p99 s {name}" for name in tenants]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
-        cells = [s["strategy"], _cell(s["replica_hours"], 4), _cell(s["ttft_p50_s"]), _cell(s["ttft_p99_s"]),
+        hits = "-" if s["prefix_hit_rate"] is None else f"{100 * s['prefix_hit_rate']:.1f} %"
+        cells = [s["strategy"], *([s["routing"], hits] if routed else []), _cell(s["replica_hours"], 4),
+                 _cell(s["ttft_p50_s"]), _cell(s["ttft_p99_s"]),
                  _cell(s["e2e_p99_s"]), f"{100 * s['slo_attainment']:.1f} %", str(s["dropped"]), str(s["timed_out"]),
                  str(s["scale_events"]), str(s["max_replicas"])]
         if len(tenants) > 1:

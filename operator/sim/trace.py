@@ -3,7 +3,8 @@
 A trace file is CSV with the header `timestamp,tenant,prompt_tokens,output_tokens`, or JSONL with
 those keys per line: `timestamp` in seconds from the trace's start (>= 0, any order), `tenant` a
 name, the two lengths positive integers (`output_tokens`: what the request generates, as with
-`ignore_eos`). The built-in generators draw the same shape from a seed.
+`ignore_eos`). The built-in generators draw the same shape from a seed; `multi_turn` also draws
+conversations, whose turns share their prompts' prefixes (a file's requests share none).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class Trace:
     tenants: tuple[str, ...]
     duration: float  # arrivals lie in [0, duration)
     rate: Callable[[np.ndarray], np.ndarray] | None = None  # the generator's intensity, where known
+    # Each request's conversation, from 1 (0: it shares no prefix with any other request). Turn k's
+    # prompt is turn k-1's prompt and output, then its own message: the tokens of a conversation
+    # only ever grow, so block j of any of its prompts is the same block.
+    conversation: np.ndarray | None = None
+    # The system prompt's tokens, at the head of every conversation's prompts.
+    shared_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.time)
@@ -70,22 +77,22 @@ def _one_tenant(rng: np.random.Generator, rate: Callable[[np.ndarray], np.ndarra
                  _lengths(rng, output_tokens, len(times)), (tenant,), duration, rate)
 
 
-def poisson(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int) -> Trace:
-    return _one_tenant(np.random.default_rng(seed), lambda t: np.full_like(t, rate), rate, duration,
-                       prompt_tokens, output_tokens)
+Intensity = Callable[[np.ndarray], np.ndarray]
 
 
-def diurnal(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int,
-            amplitude: float = 0.6) -> Trace:
+def _steady(rate: float, duration: float) -> tuple[Intensity, float]:
+    return (lambda t: np.full_like(t, rate)), rate
+
+
+def _day(rate: float, duration: float, amplitude: float = 0.6) -> tuple[Intensity, float]:
     """A day's sine around the mean `rate`, from the night's trough to the peak at midday."""
     def intensity(t: np.ndarray) -> np.ndarray:
         return rate * (1 - amplitude * np.cos(2 * math.pi * t / DAY))
 
-    return _one_tenant(np.random.default_rng(seed), intensity, rate * (1 + amplitude), duration,
-                       prompt_tokens, output_tokens)
+    return intensity, rate * (1 + amplitude)
 
 
-def flash_crowd(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int) -> Trace:
+def _flash(rate: float, duration: float) -> tuple[Intensity, float]:
     """`rate`, then 10x within a minute from a third of the way in, back to `rate` at two thirds."""
     start, end = duration / 3, 2 * duration / 3
 
@@ -93,8 +100,64 @@ def flash_crowd(rate: float, duration: float, prompt_tokens: int, output_tokens:
         rise = np.clip((t - start) / FLASH_RAMP_S, 0.0, 1.0) * (t < end)
         return rate * (1 + (FLASH_FACTOR - 1) * rise)
 
-    return _one_tenant(np.random.default_rng(seed), intensity, rate * FLASH_FACTOR, duration,
-                       prompt_tokens, output_tokens)
+    return intensity, rate * FLASH_FACTOR
+
+
+# The arrival patterns, each an intensity from a mean or base rate and the trace's duration.
+PATTERNS: Mapping[str, Callable[[float, float], tuple[Intensity, float]]] = {
+    "poisson": _steady, "diurnal": _day, "flash-crowd": _flash,
+}
+
+
+def poisson(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int) -> Trace:
+    return _one_tenant(np.random.default_rng(seed), *_steady(rate, duration), duration, prompt_tokens, output_tokens)
+
+
+def diurnal(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int) -> Trace:
+    return _one_tenant(np.random.default_rng(seed), *_day(rate, duration), duration, prompt_tokens, output_tokens)
+
+
+def flash_crowd(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int) -> Trace:
+    return _one_tenant(np.random.default_rng(seed), *_flash(rate, duration), duration, prompt_tokens, output_tokens)
+
+
+TURNS = 4
+THINK_SECONDS = 30.0
+SYSTEM_TOKENS = 1000
+
+
+def multi_turn(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int, *,
+               turns: int = TURNS, think_seconds: float = THINK_SECONDS, system_tokens: int = SYSTEM_TOKENS,
+               pattern: str = "poisson") -> Trace:
+    """Chat conversations. They start by `pattern` (PATTERNS) at `rate / turns`, so that requests
+    come at about `rate`, and have 1 to 2 turns - 1 turns (uniformly: `turns` on average). Each
+    turn sends a message of about `prompt_tokens` after the conversation so far (the system
+    prompt of `system_tokens`, every earlier message and output), and gets about `output_tokens`.
+    A turn comes an exponential `think_seconds` after the one before (the trace is open: the
+    user's reading of the reply is in the gap, however long the reply takes here)."""
+    rng = np.random.default_rng(seed)
+    intensity, peak = PATTERNS[pattern](rate / turns, duration)
+    starts = _arrivals(rng, intensity, peak, duration)
+    count = rng.integers(1, 2 * turns, size=len(starts))
+    first = np.cumsum(count) - count  # each conversation's first request
+    total = int(count.sum())
+    message, output = _lengths(rng, prompt_tokens, total), _lengths(rng, output_tokens, total)
+    gaps = rng.exponential(think_seconds, total)
+    gaps[first] = 0.0
+    time = np.repeat(starts, count) + _running_sum(gaps, first, count)
+    exchanged = message + output
+    prompt = system_tokens + _running_sum(exchanged, first, count) - exchanged + message
+    conversation = np.repeat(np.arange(1, len(starts) + 1), count)
+    kept = np.flatnonzero(time < duration)
+    order = kept[np.argsort(time[kept], kind="stable")]
+    return Trace(time[order], np.zeros(len(order), np.int16), prompt[order], output[order], ("default",), duration,
+                 conversation=conversation[order], shared_tokens=system_tokens)
+
+
+def _running_sum(values: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The sum of `values` so far within each group (`first`: the groups' starts, `count`: sizes)."""
+    total = np.cumsum(values)
+    return total - np.repeat(total[first] - values[first], count)
 
 
 def two_tenant(rate: float, duration: float, prompt_tokens: int, output_tokens: int, seed: int) -> Trace:

@@ -31,6 +31,14 @@ def test_a_run_writes_its_table_json_and_plots(tmp_path, capsys):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_multi_turn_run_compares_routings_with_their_prefix_hits(capsys):
+    assert main(["simulate", "--trace", "multi-turn", "--rate", "4", "--duration", "120", "--system-tokens", "300",
+                 "--strategies", "static-peak", "--routing", "service,prefix-aware"]) == 0
+    table = capsys.readouterr().out
+    assert "| routing | prefix hits |" in table
+    assert "| static-peak | service |" in table and "| static-peak | prefix-aware |" in table
+
+
 def test_a_trace_file_is_read_in_either_format(tmp_path, capsys):
     csv_trace = trace.read(EXAMPLE)
     lines = EXAMPLE.read_text().splitlines()[1:]
@@ -58,6 +66,8 @@ def test_a_trace_file_is_read_in_either_format(tmp_path, capsys):
     (["--trace", "poisson", "--tenant-priority", "batch=1"], "the trace has no tenant batch"),
     (["--rate", "0"], "must be a positive number"),
     (["--rate", "inf"], "argument --rate: must be finite"),
+    (["--routing", "sticky"], "unknown routing sticky"),
+    (["--system-tokens", "-1"], "must be a non-negative integer"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit:
