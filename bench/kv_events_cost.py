@@ -125,9 +125,9 @@ def main() -> None:
           f"{BLOCK_SIZE}; torch threads: {args.threads}; {args.repeats} interleaved repeats; "
           f"prefix-cache hits: {hit_tokens} tokens")
     print()
-    print("| step time (ms) | events on (min / median) | events off (min / median) | ratio (median) |")
+    print("| workload | step ms, events on (min / median) | step ms, events off (min / median) | ratio (median) |")
     print("|---|---|---|---|")
-    print(f"| per model step | {ms('on', min):.3f} / {ms('on', statistics.median):.3f} | "
+    print(f"| unique prompts, every step stores and evicts | {ms('on', min):.3f} / {ms('on', statistics.median):.3f} | "
           f"{ms('off', min):.3f} / {ms('off', statistics.median):.3f} | "
           f"{ms('on', statistics.median) / ms('off', statistics.median):.3f}x |")
     print()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from kvpilot.runtime.argtypes import positive_int
 from kvpilot.runtime.benchmarks.bench_model import DESCRIPTION, bench_model_dir
 from kvpilot.runtime.benchmarks.conversations import conversation_questions, run_conversations
 from kvpilot.runtime.benchmarks.local_server import _free_port, local_servers
+from kvpilot.runtime.benchmarks.plot import line_figure
 from kvpilot.runtime.benchmarks.report import BenchReport, best_and_median, interleaved, markdown_table
 from kvpilot.runtime.benchmarks.results import latency_summary
 
@@ -38,8 +40,10 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: the 4-layer, hidden-256 bench llama)")
     parser.add_argument("--conversations", type=positive_int, default=12)
     parser.add_argument("--turns", type=positive_int, default=4)
-    parser.add_argument("--words-per-turn", type=positive_int, default=128)
-    parser.add_argument("--output-len", type=positive_int, default=32)
+    parser.add_argument("--words-first-turn", type=positive_int, default=900,
+                        help="words of each conversation's first message (a document to talk about)")
+    parser.add_argument("--words-per-turn", type=positive_int, default=24, help="words of each later message")
+    parser.add_argument("--output-len", type=positive_int, default=16)
     parser.add_argument("--max-concurrency", type=positive_int, default=3, help="conversations at a time")
     parser.add_argument("--repetitions", type=positive_int, default=3)
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads of each replica")
@@ -60,13 +64,15 @@ def main() -> None:
             def run(strategy: str):
                 def one(repetition: int) -> float:
                     questions = conversation_questions(args.conversations, args.turns, args.words_per_turn,
-                                                       seed=repetition)
+                                                       seed=repetition, words_first_turn=args.words_first_turn)
                     hits = _fleet_hits(replicas)
                     turns = asyncio.run(run_conversations(
                         [router_of[strategy]], questions, model="bench", max_tokens=args.output_len,
                         concurrency=args.max_concurrency, cache_salt=f"{strategy} {repetition}"))
                     ttfts = [t.ttft_s for conversation in turns for t in conversation]
+                    by_turn = [statistics.median(c[turn].ttft_s * 1000 for c in turns) for turn in range(args.turns)]
                     runs[f"{strategy} {repetition}"] = {**latency_summary(ttfts, "ttft", (99,)),
+                                                        "median_ttft_ms_by_turn": by_turn,
                                                         "prefix_cache_hit_tokens": _fleet_hits(replicas) - hits}
                     return runs[f"{strategy} {repetition}"]["median_ttft_ms"]
                 return one
@@ -81,12 +87,20 @@ def main() -> None:
     ratio = median_of("prefix-aware", "median_ttft_ms") / median_of("round-robin", "median_ttft_ms")
     table = markdown_table(["routing", "TTFT median ms", "TTFT p99 ms", "prefix-cache hits (tokens, all replicas)"], rows)
     body = (f"Model: {model_dir if args.model else DESCRIPTION}, float32, {REPLICAS} replicas. Per run: "
-            f"{args.conversations} conversations of {args.turns} turns ({args.words_per_turn} words each, "
-            f"{args.output_len} tokens out, greedy, streamed), {args.max_concurrency} conversations at a time; "
+            f"{args.conversations} conversations of {args.turns} turns (a first message of {args.words_first_turn} "
+            f"words, then {args.words_per_turn} words a turn; {args.output_len} tokens out, greedy, streamed), "
+            f"{args.max_concurrency} conversations at a time; "
             f"{args.repetitions} runs per routing, alternating; each cell is the median over the runs.\n\n{table}\n\n"
             f"Prefix-aware's median TTFT is {ratio:.2f} of round-robin's.")
+    figure = line_figure(
+        report.output_path("ttft_by_turn.png"),
+        {s: [(turn + 1, statistics.median(runs[f"{s} {r}"]["median_ttft_ms_by_turn"][turn]
+                                          for r in range(args.repetitions))) for turn in range(args.turns)]
+         for s in STRATEGIES},
+        xlabel="turn of the conversation", ylabel="median TTFT, ms (median run)",
+        title=f"TTFT by turn over {REPLICAS} replicas", log_y=True)
     headline = f"prefix-aware routing over {REPLICAS} replicas: {ratio:.2f}x round-robin's median TTFT on multi-turn chats"
-    report.write(body, [], {"median_ttft_ms": samples, "runs": runs}, headline)
+    report.write(body, [figure], {"median_ttft_ms": samples, "runs": runs}, headline)
 
 
 def _kv_events_config() -> str:

@@ -29,11 +29,13 @@ class Turn:
     latency_s: float
 
 
-def conversation_questions(num_conversations: int, num_turns: int, words_per_turn: int, seed: int
-                           ) -> list[list[str]]:
-    """The user messages of each conversation."""
+def conversation_questions(num_conversations: int, num_turns: int, words_per_turn: int, seed: int,
+                           words_first_turn: int | None = None) -> list[list[str]]:
+    """The user messages of each conversation; the first may be longer (a document to talk about)."""
     rng = random.Random(seed)
-    return [[random_words(rng, words_per_turn) for _ in range(num_turns)] for _ in range(num_conversations)]
+    first = words_first_turn or words_per_turn
+    return [[random_words(rng, first if turn == 0 else words_per_turn) for turn in range(num_turns)]
+            for _ in range(num_conversations)]
 
 
 async def run_conversations(base_urls: list[str], questions: list[list[str]], *, model: str, max_tokens: int,
