@@ -26,6 +26,9 @@ PLURALS = {
     "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
     naming.KIND: naming.PLURAL,
 }
 

@@ -41,6 +41,8 @@ SPEC: dict[str, Any] = {
     "image": "ghcr.io/kvpilot/kvpilot:0.1.0",
     "replicas": 2,
     "scheduling": {"tenants": [{"name": "prod", "priority": 10, "apiKeySecretRef": {"name": "prod-key"}}]},
+    # The engine alone; test_operator_routing.py runs it with its routers.
+    "routing": {"enabled": False},
 }
 CHILDREN = {
     "Deployment": "apps/v1/deployments",
@@ -51,6 +53,12 @@ CHILDREN = {
     "ServiceMonitor": "monitoring.coreos.com/v1/servicemonitors",
     "AdminToken": "v1/secrets",
     "SchedulingConfig": "v1/configmaps",
+}
+# The kinds only routing adds (its Deployment, Service, PDB and Secret are of the kinds above).
+ROUTER_KINDS = {
+    "ServiceAccount": "v1/serviceaccounts",
+    "Role": "rbac.authorization.k8s.io/v1/roles",
+    "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
 }
 CHILD_NAMES = {"ConfigMap": "qwen-config", "Secret": "qwen-tenant-keys", "AdminToken": "qwen-admin-token",
                "SchedulingConfig": "qwen-scheduling"}
@@ -345,6 +353,7 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
         CHILDREN["Service"]: ("Service", {"status"}),
         CHILDREN["ConfigMap"]: ("ConfigMap", set()),
         CHILDREN["Secret"]: ("Secret", set()),
+        **{resource: (kind, set()) for kind, resource in ROUTER_KINDS.items()},
         "v1/pods": ("Pod", {"status"}),
         "v1/events": ("Event", set()),
     }
