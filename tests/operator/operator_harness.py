@@ -157,11 +157,12 @@ class Cluster:
             [{"op": "replace", "path": "/spec", "value": engine["spec"]}], "application/json-patch+json",
         )
 
-    async def create_pod(self, name: str, engine: str, *, ready: bool) -> None:
-        """A pod of the engine's Deployment, as its ReplicaSet and the kubelet would make it."""
+    async def create_pod(self, name: str, engine: str, *, ready: bool, router: bool = False) -> None:
+        """A pod of the engine's Deployment (or its routers'), as its ReplicaSet and the kubelet would make it."""
+        labels = naming.router_selector_labels(engine) if router else naming.selector_labels(engine)
         await self._send("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": naming.selector_labels(engine)},
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
             "status": _pod_status(ready),
         })
 
