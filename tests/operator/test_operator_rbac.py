@@ -11,14 +11,11 @@ import yaml
 from crd_validation import REPO
 from inference_engines import FULL_SPEC, engine
 from kvpilot.operator import render
-from operator_api_calls import granted, recorded_calls
+from operator_api_calls import GRANTED_TO_ROUTERS, granted, recorded_calls
 
 pytestmark = pytest.mark.timeout(90)
 
 RULES = yaml.safe_load((REPO / "operator" / "rbac.yaml").read_text())
-# Rights the operator holds only to grant them: the routers' Role (the API server refuses a Role
-# that grants more than its maker holds).
-GRANTED_TO_ROUTERS = {("discovery.k8s.io", "endpointslices", "list"), ("discovery.k8s.io", "endpointslices", "watch")}
 
 
 def test_rules_use_no_wildcards() -> None:
