@@ -101,6 +101,26 @@ def model_source(engine: Mapping[str, Any], *, only: Sequence[str] = ()) -> Mode
     )
 
 
+def server_container(name: str, image: str, command: list[str], args: list[str], *, ports: list[Manifest],
+                     resources: Manifest, mounts: list[Manifest]) -> Manifest:
+    """A container that serves the OpenAI API on its port `http`: probed on /health, drained on
+    the way out, hardened, its caches on the cache volume."""
+    return {
+        "name": name,
+        "image": image,
+        "command": command,
+        "args": args,
+        "ports": ports,
+        "env": cache_env(),
+        "resources": resources,
+        "readinessProbe": health_probe(period=5, failures=3),
+        "livenessProbe": health_probe(period=10, failures=6),
+        "lifecycle": pre_stop(),
+        "securityContext": container_security(),
+        "volumeMounts": mounts,
+    }
+
+
 def cache_env() -> list[Manifest]:
     # The root filesystem is read-only: every cache goes to the writable cache volume.
     return [

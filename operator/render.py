@@ -25,14 +25,12 @@ from kvpilot.operator.pod_parts import (
     TENANTS_FILE,
     Manifest,
     ModelSource,
-    cache_env,
-    container_security,
     health_probe,
     model_source,
     owned,
     pod_security,
-    pre_stop,
     secret_volume,
+    server_container,
     termination_grace_seconds,
 )
 from kvpilot.operator.render_router import routed
@@ -264,34 +262,24 @@ def _engine_container(engine: Mapping[str, Any], source: ModelSource) -> Manifes
     if routed(engine):
         ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
                   {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"}]
-    return {
-        "name": "engine",
-        "image": spec["image"],
-        "command": ["kvpilot", "serve"],
-        "args": serve_args(engine),
-        "ports": ports,
-        "env": cache_env(),
-        "resources": _resources(spec),
-        # Loading weights can take many minutes; liveness only starts judging once it is done.
-        "startupProbe": health_probe(period=10, failures=180),
-        "readinessProbe": health_probe(period=5, failures=3),
-        "livenessProbe": health_probe(period=10, failures=6),
-        "lifecycle": pre_stop(),
-        "securityContext": container_security(),
-        "volumeMounts": [
-            *source.mounts,
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "tenant-keys", "mountPath": TENANT_KEYS_DIR, "readOnly": True},
-            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
-            {"name": "scheduling", "mountPath": SCHEDULING_DIR, "readOnly": True},
-            {"name": "cache", "mountPath": CACHE_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-            # Tensor-parallel workers exchange tensors through shared memory; a container's
-            # default /dev/shm (64 MiB) is far too small.
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            *_cache_salt_mounts(engine),
-        ],
-    }
+    mounts = [
+        *source.mounts,
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tenant-keys", "mountPath": TENANT_KEYS_DIR, "readOnly": True},
+        {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+        {"name": "scheduling", "mountPath": SCHEDULING_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        # Tensor-parallel workers exchange tensors through shared memory; a container's
+        # default /dev/shm (64 MiB) is far too small.
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        *_cache_salt_mounts(engine),
+    ]
+    container = server_container("engine", spec["image"], ["kvpilot", "serve"], serve_args(engine), ports=ports,
+                                 resources=_resources(spec), mounts=mounts)
+    # Loading weights can take many minutes; liveness only starts judging once it is done.
+    container["startupProbe"] = health_probe(period=10, failures=180)
+    return container
 
 
 def _cache_salt_mounts(engine: Mapping[str, Any]) -> list[Manifest]:

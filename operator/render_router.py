@@ -18,27 +18,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvpilot.operator import naming
-from kvpilot.operator.pod_parts import (
-    CACHE_DIR,
-    CACHE_SALT_DIR,
-    CACHE_SALT_KEY,
-    CONFIG_DIR,
-    CONTAINER_PORT,
-    MODEL_DIR,
-    TENANT_KEYS_DIR,
-    TENANTS_FILE,
-    Manifest,
-    cache_env,
-    container_security,
-    health_probe,
-    model_source,
-    owned,
-    pod_security,
-    pre_stop,
-    secret_volume,
-    termination_grace_seconds,
-)
+from kvpilot.operator import naming, pod_parts
+from kvpilot.operator.pod_parts import Manifest
 
 # What a tokenizer and its chat template are made of, in the layouts transformers reads (fast
 # and slow tokenizers, the template inline or in its own file); weights match none of them.
@@ -46,7 +27,7 @@ TOKENIZER_FILES = (
     "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
     "chat_template.json", "*.jinja", "vocab.*", "merges.txt",
 )
-CACHE_SALT_MOUNT: Manifest = {"name": "cache-salt", "mountPath": CACHE_SALT_DIR, "readOnly": True}
+CACHE_SALT_MOUNT: Manifest = {"name": "cache-salt", "mountPath": pod_parts.CACHE_SALT_DIR, "readOnly": True}
 
 
 def routed(engine: Mapping[str, Any]) -> bool:
@@ -57,12 +38,12 @@ def cache_salt_secret(engine: Mapping[str, Any], salt: str) -> Manifest:
     # Keys every tenant's cache salt, in the engines and the routers alike: their block hashes
     # must agree for prefix-aware routing, and differ from any other fleet's. Salts follow tenant
     # names, so a rotated API key keeps its tenant's cache.
-    return owned(engine, "v1", "Secret", naming.cache_salt_secret_name(engine["metadata"]["name"]),
-                 type="Opaque", data={CACHE_SALT_KEY: salt})
+    return pod_parts.owned(engine, "v1", "Secret", naming.cache_salt_secret_name(engine["metadata"]["name"]),
+                           type="Opaque", data={pod_parts.CACHE_SALT_KEY: salt})
 
 
 def cache_salt_volume(engine: Mapping[str, Any]) -> Manifest:
-    return secret_volume("cache-salt", naming.cache_salt_secret_name(engine["metadata"]["name"]))
+    return pod_parts.secret_volume("cache-salt", naming.cache_salt_secret_name(engine["metadata"]["name"]))
 
 
 def engines_and_access(engine: Mapping[str, Any]) -> list[Manifest]:
@@ -71,19 +52,20 @@ def engines_and_access(engine: Mapping[str, Any]) -> list[Manifest]:
     router = naming.router_name(name)
     router_labels = naming.router_labels(name)
     return [
-        owned(engine, "v1", "Service", naming.engines_service_name(name), spec={
+        pod_parts.owned(engine, "v1", "Service", naming.engines_service_name(name), spec={
             # Headless: the routers pick a pod themselves; a virtual IP would pick for them.
             "clusterIP": "None",
             "selector": naming.selector_labels(name),
-            "ports": [{"name": "http", "port": CONTAINER_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": "http", "port": pod_parts.CONTAINER_PORT, "targetPort": "http", "protocol": "TCP"}],
         }),
-        owned(engine, "v1", "ServiceAccount", router, labels=router_labels),
-        owned(engine, "rbac.authorization.k8s.io/v1", "Role", router, labels=router_labels, rules=[
+        pod_parts.owned(engine, "v1", "ServiceAccount", router, labels=router_labels),
+        pod_parts.owned(engine, "rbac.authorization.k8s.io/v1", "Role", router, labels=router_labels, rules=[
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
         ]),
-        owned(engine, "rbac.authorization.k8s.io/v1", "RoleBinding", router, labels=router_labels,
-              roleRef={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router},
-              subjects=[{"kind": "ServiceAccount", "name": router, "namespace": engine["metadata"]["namespace"]}]),
+        pod_parts.owned(engine, "rbac.authorization.k8s.io/v1", "RoleBinding", router, labels=router_labels,
+                        roleRef={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router},
+                        subjects=[{"kind": "ServiceAccount", "name": router,
+                                   "namespace": engine["metadata"]["namespace"]}]),
     ]
 
 
@@ -94,14 +76,14 @@ def router_workload(engine: Mapping[str, Any]) -> list[Manifest]:
     labels = naming.router_labels(name)
     selector = naming.router_selector_labels(name)
     return [
-        owned(engine, "apps/v1", "Deployment", router, labels=labels, spec={
+        pod_parts.owned(engine, "apps/v1", "Deployment", router, labels=labels, spec={
             "replicas": engine["spec"]["routing"]["replicas"],
             "selector": {"matchLabels": selector},
             # Routers need no GPU: a surge pod first, so that a rollout never serves with fewer.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": _pod_template(engine),
         }),
-        owned(engine, "policy/v1", "PodDisruptionBudget", router, labels=labels, spec={
+        pod_parts.owned(engine, "policy/v1", "PodDisruptionBudget", router, labels=labels, spec={
             # Active-active: a drain may take all routers but one.
             "minAvailable": 1,
             "selector": {"matchLabels": selector},
@@ -115,16 +97,16 @@ def router_args(engine: Mapping[str, Any]) -> list[str]:
     spec = engine["spec"]
     routing = spec["routing"]
     return [
-        MODEL_DIR,
+        pod_parts.MODEL_DIR,
         "--host", "0.0.0.0",
-        "--port", str(CONTAINER_PORT),
+        "--port", str(pod_parts.CONTAINER_PORT),
         "--kubernetes-service", naming.engines_service_name(engine["metadata"]["name"]),
         "--kubernetes-port-name", "http",
         "--routing-strategy", routing["strategy"],
         "--bounded-load-factor", str(routing["boundedLoadFactor"]),
         "--hold-timeout", str(routing["holdTimeoutSeconds"]),
-        "--tenants-file", TENANTS_FILE,
-        "--cache-salt-secret-file", f"{CACHE_SALT_DIR}/{CACHE_SALT_KEY}",
+        "--tenants-file", pod_parts.TENANTS_FILE,
+        "--cache-salt-secret-file", f"{pod_parts.CACHE_SALT_DIR}/{pod_parts.CACHE_SALT_KEY}",
         # A stream passes through the router: it drains as long as the engines do.
         "--shutdown-timeout", str(spec["engine"]["shutdownTimeoutSeconds"]),
     ]
@@ -133,39 +115,31 @@ def router_args(engine: Mapping[str, Any]) -> list[str]:
 def _pod_template(engine: Mapping[str, Any]) -> Manifest:
     name = engine["metadata"]["name"]
     spec = engine["spec"]
-    source = model_source(engine, only=TOKENIZER_FILES)
-    container = {
-        "name": "router",
-        "image": spec["image"],
-        "command": ["kvpilot", "router"],
-        "args": router_args(engine),
-        "ports": [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}],
-        "env": cache_env(),
-        "resources": copy.deepcopy(spec["routing"].get("resources", {})),
-        # /health answers whenever the router runs, also with no engine ready (it holds then).
-        "readinessProbe": health_probe(period=5, failures=3),
-        "livenessProbe": health_probe(period=10, failures=6),
-        "lifecycle": pre_stop(),
-        "securityContext": container_security(),
-        "volumeMounts": [
-            *source.mounts,
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "tenant-keys", "mountPath": TENANT_KEYS_DIR, "readOnly": True},
-            CACHE_SALT_MOUNT,
-            {"name": "cache", "mountPath": CACHE_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-    }
+    source = pod_parts.model_source(engine, only=TOKENIZER_FILES)
+    mounts = [
+        *source.mounts,
+        {"name": "config", "mountPath": pod_parts.CONFIG_DIR, "readOnly": True},
+        {"name": "tenant-keys", "mountPath": pod_parts.TENANT_KEYS_DIR, "readOnly": True},
+        CACHE_SALT_MOUNT,
+        {"name": "cache", "mountPath": pod_parts.CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    # No startup probe: /health answers as soon as the router runs, also with no engine ready
+    # (it holds requests then).
+    container = pod_parts.server_container(
+        "router", spec["image"], ["kvpilot", "router"], router_args(engine),
+        ports=[{"name": "http", "containerPort": pod_parts.CONTAINER_PORT, "protocol": "TCP"}],
+        resources=copy.deepcopy(spec["routing"].get("resources", {})), mounts=mounts)
     pod_spec: Manifest = {
         "serviceAccountName": naming.router_name(name),
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "securityContext": pod_security(),
+        "terminationGracePeriodSeconds": pod_parts.termination_grace_seconds(spec),
+        "securityContext": pod_parts.pod_security(),
         "containers": [container],
         "volumes": [
             *source.volumes,
             {"name": "config", "configMap": {"name": naming.config_map_name(name)}},
-            secret_volume("tenant-keys", naming.tenant_keys_secret_name(name)),
+            pod_parts.secret_volume("tenant-keys", naming.tenant_keys_secret_name(name)),
             cache_salt_volume(engine),
             {"name": "cache", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {}},
