@@ -120,6 +120,10 @@ class Reconciler:
         for child in render.children(engine, tenant_keys=keys, admin_token=admin_token, cache_salt=cache_salt,
                                      service_monitor=monitor):
             await self._apply(engine, child)
+        if not render_router.routed(engine) and self._routing_was_on(engine):
+            # The Service leads to the engines again (applied above), and the routers go.
+            for child in render_router.retired(engine):
+                await self._delete(engine, child)
         await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], problems=problems)
         for problem in problems:
             kopf.warn(_about(engine), reason=status.TENANT_KEY_MISSING, message=problem)
@@ -270,6 +274,19 @@ class Reconciler:
         if self._monitors_served is None or now - self._monitors_served[0] >= DISCOVERY_TTL_SECONDS:
             self._monitors_served = (now, await self.client.serves(*SERVICE_MONITORS))
         return self._monitors_served[1]
+
+    def _routing_was_on(self, engine: Mapping[str, Any]) -> bool:
+        """Known without a read: RouterReady in status (dropped once routing is off, so a
+        later pass reads none), or routers this operator applied since it started (a quick
+        flip, before status told)."""
+        meta = engine["metadata"]
+        routers = kube.path("apps/v1", "Deployment", meta["namespace"], naming.router_name(meta["name"]))
+        return bool(status.condition(engine, status.ROUTER_READY)) or routers in self._applied
+
+    async def _delete(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
+        self._applied.pop(kube.path_of(child), None)
+        if await self.client.delete(kube.path_of(child)):
+            kopf.info(_about(engine), reason="Deleted", message=f"Deleted {child['kind']} {child['metadata']['name']}")
 
     async def _apply(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
         if child["kind"] not in self._unwatched_kinds and self.as_applied(child):

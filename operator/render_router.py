@@ -92,6 +92,12 @@ def router_workload(engine: Mapping[str, Any]) -> list[Manifest]:
     ]
 
 
+def retired(engine: Mapping[str, Any]) -> list[Manifest]:
+    """Every object only routing renders, the routers first: what turning routing off leaves
+    behind (the engine's Service leads to the engines again)."""
+    return [*reversed(router_workload(engine)), *reversed(engines_and_access(engine)), cache_salt_secret(engine, "")]
+
+
 def router_args(engine: Mapping[str, Any]) -> list[str]:
     """The `kvpilot router` arguments."""
     spec = engine["spec"]

@@ -33,7 +33,7 @@ def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
 def recorded_calls(tmp_path: Path) -> set[Right]:
     """Every right the operator needs while it creates an engine's children (ServiceMonitor
     included), follows a spec change and a rollout, recreates a deleted Deployment, adds the
-    routers (their ServiceAccount, Role and RoleBinding), autoscales,
+    routers (their ServiceAccount, Role and RoleBinding) and removes them, autoscales,
     reading the pods directly and then through Prometheus, and tunes the scheduling policy."""
     async def scenario() -> set[Right]:
         pod = FakePod(token=None)
@@ -49,6 +49,8 @@ def recorded_calls(tmp_path: Path) -> set[Right]:
             await eventually(lambda: k.deployment("qwen"), "the recreated Deployment")
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": True}))
             await eventually(lambda: k.deployment("qwen-router"), "the routers")
+            await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": False}))
+            await eventually(lambda: k.deployment("qwen-router") is None, "the routers gone")
 
             await k.create_pod("qwen-a", "qwen", ready=True)
             fake.set(["qwen-a"], kv=1.0)

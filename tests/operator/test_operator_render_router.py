@@ -188,3 +188,10 @@ def test_the_service_monitor_scrapes_engines_and_routers() -> None:
     for service in ("llama", "llama-engines"):
         labels = objects["Service", service]["metadata"]["labels"]
         assert selector.items() <= labels.items(), service
+
+
+def test_what_routing_off_retires_is_exactly_what_only_routing_renders() -> None:
+    only_routed = set(rendered()) - set(rendered(engine()))
+    retired = [(child["kind"], child["metadata"]["name"]) for child in render_router.retired(engine())]
+    assert set(retired) == only_routed
+    assert retired[0] == ("PodDisruptionBudget", "llama-router") and retired[1] == ("Deployment", "llama-router")

@@ -140,3 +140,26 @@ def test_a_starting_pod_is_never_scaled_away(tmp_path: Path) -> None:
             await eventually(lambda: replicas(k) == 0, "scaled to zero once nothing starts")
 
     run(scenario())
+
+
+def test_routing_turned_off_removes_the_routers(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, operator():
+            await created(k, ROUTED)
+            await eventually(lambda: k.object(CHILDREN["PodDisruptionBudget"], "qwen-router"), "the routers")
+            await k.roll_out("qwen-router")
+            await eventually(lambda: condition(k.engine("qwen"), "RouterReady").get("status") == "True", "RouterReady")
+
+            await k.update_engine("qwen", lambda spec: spec["routing"].update(enabled=False))
+            await eventually(lambda: set(owned_objects(k)) == {
+                ("ConfigMap", "qwen-config"), ("ConfigMap", "qwen-scheduling"), ("Deployment", "qwen"),
+                ("PodDisruptionBudget", "qwen"), ("Secret", "qwen-admin-token"), ("Secret", "qwen-tenant-keys"),
+                ("Service", "qwen"),
+            }, "only the engine's objects")
+            assert k.object(CHILDREN["Service"], "qwen")["spec"]["selector"]["app.kubernetes.io/component"] == "engine"
+            await eventually(lambda: condition(k.engine("qwen"), "RouterReady") == {}, "RouterReady dropped")
+            deleted = await eventually(lambda: len(k.events("Deleted")) == 7 and k.events("Deleted"), "7 Deleted events")
+            assert {event["message"] for event in deleted} >= {"Deleted Deployment qwen-router",
+                                                                "Deleted Secret qwen-cache-salt"}
+
+    run(scenario())
