@@ -26,6 +26,20 @@ reading and a replica's capacity) goes in and comes out as a value.
   accepts any count, as the HPA's target does).
 - Missing, stale or invalid metrics hold the count (within the bounds) and say why in
   MetricsAvailable.
+
+Scale to zero (minReplicas 0, which the CRD allows only with routing): the load never asks for
+fewer than one replica; the engine goes to 0 only once it has been idle for
+scaleToZeroAfterSeconds: every ready replica with nothing running or waiting, the routers holding
+nothing, and no replica starting (a starting pod is never scaled away). At 0 replicas, requests
+held by the routers scale it to max(1, minReplicas) at once.
+
+Why no request is lost in the race between reading the held count and writing 0 replicas: a
+request that reaches a router after the reading finds either a replica still ready (it runs
+there, and the replica's drain on SIGTERM lets it finish), or none (the routers take a replica
+out as soon as its endpoint stops being ready, and retry a request refused before its first
+byte): then the router holds it, and the next interval reads it held and scales up. A held
+request waits up to routing.holdTimeoutSeconds, then gets a 503 with Retry-After: never lost,
+but the hold timeout should outlast an interval plus an engine's start.
 """
 
 from __future__ import annotations
@@ -71,6 +85,7 @@ class Policy:
     interval_seconds: float
     scale_up_stabilization_seconds: float
     scale_down_stabilization_seconds: float
+    scale_to_zero_after_seconds: float = 300.0
 
     @classmethod
     def from_spec(cls, autoscaling: Mapping[str, Any]) -> Policy:
@@ -83,7 +98,13 @@ class Policy:
             interval_seconds=autoscaling["intervalSeconds"],
             scale_up_stabilization_seconds=autoscaling["scaleUpStabilizationSeconds"],
             scale_down_stabilization_seconds=autoscaling["scaleDownStabilizationSeconds"],
+            scale_to_zero_after_seconds=autoscaling["scaleToZeroAfterSeconds"],
         )
+
+    @property
+    def floor(self) -> int:
+        """The fewest replicas a load asks for: 0 comes from idleness alone."""
+        return max(1, self.min_replicas)
 
 
 @dataclass(frozen=True)
@@ -120,12 +141,14 @@ class Decision:
 class Memory:
     """What one reading leaves for the next: the pods' samples, for their rates since; the
     requests replicas finished while they had a backlog and the replica-seconds that took (see
-    `capacity`); and when the memory began (None: it begins with this reading)."""
+    `capacity`); when the memory began (None: it begins with this reading); and since when the
+    engine has been idle, without a break (None: it is not)."""
 
     pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
     backlog_finished: float = 0.0
     backlog_seconds: float = 0.0
     since: float | None = None
+    idle_since: float | None = None
 
     @property
     def capacity(self) -> float | None:
@@ -145,16 +168,20 @@ def decide(
     history: tuple[tuple[float, int], ...],
     now: float,
     memory: Memory | None = None,
+    *,
+    held: float | samples.Problem | None = None,
 ) -> Decision:
     """`replicas` is spec.replicas; `ready` names the ready pods, `starting` counts the pods that
     exist but are not ready yet (terminating ones count in neither). `memory` is the last
-    decision's."""
+    decision's. `held` is what the routers hold, summed (None: the engine has no routers)."""
     memory = memory or Memory()
     since = now if memory.since is None else memory.since
+    if replicas == 0 and policy.min_replicas == 0:
+        return _at_zero(policy, held, history, Memory(since=since))
     problem = _problem(policy, ready, starting, reading, now)
     if problem is not None:
         # No reading to go by; the bounds are the spec's own, and hold all the same.
-        memory = dataclasses.replace(memory, since=since)
+        memory = dataclasses.replace(memory, since=since, idle_since=None)
         bounded = _clamp(policy, replicas)
         if bounded == replicas:
             return Decision(replicas, "", problem.message, (problem,), None, history, memory)
@@ -163,7 +190,9 @@ def decide(
                         f" and maxReplicas {policy.max_replicas}", (problem,), None, history, memory)
     used = {pod: reading.samples[pod] for pod in ready}
     rates = {pod: _rates(sample, memory.pods.get(pod)) for pod, sample in used.items()}
-    memory = Memory(used, *_backlog_work(policy, used, memory), since=since)
+    idle = policy.min_replicas == 0 and _idle(used, starting, held)
+    idle_since = (now if memory.idle_since is None else memory.idle_since) if idle else None
+    memory = Memory(used, *_backlog_work(policy, used, memory), since=since, idle_since=idle_since)
     load = _load(policy, used, rates, memory.capacity)
 
     # In replicas at target: what the ready replicas carry now. Starting replicas are in
@@ -193,10 +222,38 @@ def decide(
         Condition(METRICS_AVAILABLE, True, "MetricsRead", f"read {len(ready)} ready replicas"),
         _limit(policy, wanted),
     )
+    if idle_since is not None and now - idle_since >= policy.scale_to_zero_after_seconds:
+        target = 0
+        summary = (f"idle for {now - idle_since:.0f}s (scaleToZeroAfterSeconds"
+                   f" {policy.scale_to_zero_after_seconds:g}): no request running, waiting or held")
     if target == replicas:
         return Decision(replicas, "", summary, conditions, load, history, memory)
     reason = SCALED_UP if target > replicas else SCALED_DOWN
     return Decision(target, reason, f"{replicas} -> {target} replicas: {summary}", conditions, load, history, memory)
+
+
+def _at_zero(policy: Policy, held: float | samples.Problem | None, history: tuple[tuple[float, int], ...],
+             memory: Memory) -> Decision:
+    """No replica runs: the routers' held requests are the only load there is."""
+    if held is None:
+        held = samples.Problem(samples.MISSING, "the engine has no routers to read")
+    if isinstance(held, samples.Problem):
+        problem = Condition(METRICS_AVAILABLE, False, held.reason, held.message)
+        return Decision(0, "", f"no replica runs, and {held.message}", (problem,), None, history, memory)
+    conditions = (Condition(METRICS_AVAILABLE, True, "RoutersRead", f"the routers hold {held:g} requests"),
+                  _limit(policy, policy.floor if held else 0))
+    if held == 0:
+        return Decision(0, "", "no replica runs; the routers hold no request", conditions, None, history, memory)
+    return Decision(policy.floor, SCALED_UP,
+                    f"0 -> {policy.floor} replicas: the routers hold {held:g} requests and no replica runs",
+                    conditions, None, history, memory)
+
+
+def _idle(used: Mapping[str, samples.PodSample], starting: int, held: float | samples.Problem | None) -> bool:
+    """Nothing to serve, nothing on its way: an unknown held count is not idle."""
+    if starting or not isinstance(held, float | int) or held > 0:
+        return False
+    return all(sample.num_running == 0 and sample.num_waiting == 0 for sample in used.values())
 
 
 def _problem(
@@ -306,4 +363,4 @@ def _limit(policy: Policy, wanted: int) -> Condition:
 
 
 def _clamp(policy: Policy, count: int) -> int:
-    return max(policy.min_replicas, min(policy.max_replicas, count))
+    return max(policy.floor, min(policy.max_replicas, count))

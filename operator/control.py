@@ -27,7 +27,7 @@ from typing import Any, Protocol, cast
 import aiohttp
 import kopf
 
-from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, samples, status, tuning
+from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, render_router, samples, status, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class Interval:
     starting: int  # pods that exist, are not terminating, and are not ready yet
     reading: samples.Reading
     now: float  # seconds since the epoch
+    # What the ready routers hold, summed, or why that is unknown; None without routing.
+    held: float | samples.Problem | None = None
 
 
 class Controller(Protocol):
@@ -121,8 +123,13 @@ class ControlLoops:
         seconds = spec["autoscaling"]["intervalSeconds"]
         pods = await self._client.list("v1", "Pod", namespace, selector=naming.selector_string(name))
         ready, starting = pod_states(pods)
-        reading = await self._read(engine, ready, seconds)
-        interval = Interval(engine, ready, starting, reading, self._clock())
+        source = await self._source(engine, seconds)
+        if isinstance(source, samples.Problem):
+            reading, held = samples.Reading(failure=source), source
+        else:
+            reading = await source.read(namespace, ready, self._clock())
+            held = await self._held(engine, source)
+        interval = Interval(engine, ready, starting, reading, self._clock(), held)
         for controller in self.controllers:
             if controller.wants(spec):
                 await controller.step(interval)
@@ -155,22 +162,26 @@ class ControlLoops:
                 for controller in self.controllers:
                     controller.forget(key)
 
-    async def _read(self, engine: Mapping[str, Any], ready: Sequence[Mapping[str, Any]], seconds: float
-                    ) -> samples.Reading:
+    async def _source(self, engine: Mapping[str, Any], seconds: float) -> metrics.MetricsSource | samples.Problem:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        namespace = engine["metadata"]["namespace"]
         timeout = metrics.request_timeout(seconds)
         prometheus = engine["spec"]["autoscaling"].get("prometheus")
-        source: metrics.MetricsSource
         if prometheus is None:
-            source = metrics.DirectScrape(self._session, timeout=timeout, url_of=self._pod_metrics_url)
-        else:
-            token = await self._bearer_token(namespace, prometheus)
-            if isinstance(token, samples.Problem):
-                return samples.Reading(failure=token)
-            source = metrics.Prometheus(self._session, prometheus["url"], timeout=timeout, bearer_token=token)
-        return await source.read(namespace, ready, self._clock())
+            return metrics.DirectScrape(self._session, timeout=timeout, url_of=self._pod_metrics_url)
+        token = await self._bearer_token(engine["metadata"]["namespace"], prometheus)
+        if isinstance(token, samples.Problem):
+            return token
+        return metrics.Prometheus(self._session, prometheus["url"], timeout=timeout, bearer_token=token)
+
+    async def _held(self, engine: Mapping[str, Any], source: metrics.MetricsSource) -> float | samples.Problem | None:
+        """What the engine's ready routers hold; None for an engine without routers."""
+        if not render_router.routed(engine):
+            return None
+        namespace, name = engine["metadata"]["namespace"], engine["metadata"]["name"]
+        routers = await self._client.list("v1", "Pod", namespace, selector=naming.router_selector_string(name))
+        ready, _ = pod_states(routers)
+        return await source.read_held(namespace, ready)
 
     async def _bearer_token(self, namespace: str, prometheus: Mapping[str, Any]) -> str | samples.Problem | None:
         ref = prometheus.get("bearerTokenSecretRef")
@@ -216,6 +227,7 @@ class Autoscaling:
             self._history.get(key, ()),
             interval.now,
             self._memory.get(key),
+            held=interval.held,
         )
         self._history[key] = decision.history
         self._memory[key] = decision.memory

@@ -29,11 +29,16 @@ _DEPLOYMENTS = ("apps", "v1", "deployments")
 _SERVICES = ("", "v1", "services")
 _CONFIG_MAPS = ("", "v1", "configmaps")
 _PDBS = ("policy", "v1", "poddisruptionbudgets")
+# The routers' identity and rights (with routing).
+_SERVICE_ACCOUNTS = ("", "v1", "serviceaccounts")
+_ROLES = ("rbac.authorization.k8s.io", "v1", "roles")
+_ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
 # Followed where their CRD (the Prometheus Operator's) is served when the operator starts; where
 # it is not, kopf says so once in its log and watches the rest (scanning is off, so a CRD
 # installed later is followed from the next start; each pass still applies its ServiceMonitor).
 _SERVICE_MONITORS = ("monitoring.coreos.com", "v1", "servicemonitors")
-_CHILD_RESOURCES = (_DEPLOYMENTS, _SERVICES, _CONFIG_MAPS, _PDBS, _SERVICE_MONITORS)
+_CHILD_RESOURCES = (_DEPLOYMENTS, _SERVICES, _CONFIG_MAPS, _PDBS, _SERVICE_ACCOUNTS, _ROLES, _ROLE_BINDINGS,
+                    _SERVICE_MONITORS)
 LIST_CHUNK_SIZE = 500
 
 # Retry delays after a failed API call: 1 s, doubling, at most 5 minutes.
@@ -135,6 +140,9 @@ async def deployment_event(
 @kopf.on.event(*_SERVICES, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_CONFIG_MAPS, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_PDBS, labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event(*_SERVICE_ACCOUNTS, labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event(*_ROLES, labels=_OWN_CHILDREN, registry=registry)
+@kopf.on.event(*_ROLE_BINDINGS, labels=_OWN_CHILDREN, registry=registry)
 @kopf.on.event(*_SERVICE_MONITORS, labels=_OWN_CHILDREN, registry=registry)
 async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     try:

@@ -26,6 +26,9 @@ PLURALS = {
     "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
     naming.KIND: naming.PLURAL,
 }
 
@@ -101,6 +104,16 @@ class Kube:
             body=obj,
             content_type="application/apply-patch+yaml",
         )
+
+    async def delete(self, url: str) -> bool:
+        """Delete the object at `url`; False where there was none."""
+        try:
+            await self._request("DELETE", url)
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
 
     async def list(self, api_version: str, kind: str, namespace: str, *, selector: str) -> list[dict[str, Any]]:
         """The objects of one kind in `namespace` that match a label selector."""

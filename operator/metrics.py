@@ -35,6 +35,10 @@ class MetricsSource(Protocol):
         """A sample or a problem for each of `pods` (ready pods, as the API serves them)."""
         ...
 
+    async def read_held(self, namespace: str, routers: Sequence[Pod]) -> float | samples.Problem:
+        """The requests that `routers` (ready router pods) hold, summed, or why that is unknown."""
+        ...
+
 
 def request_timeout(interval_seconds: float) -> float:
     """A third of the interval, at most MAX_TIMEOUT_SECONDS: every read ends well before the next."""
@@ -78,7 +82,18 @@ class DirectScrape:
             problems={pod_name(pod): r for pod, r in zip(pods, results) if isinstance(r, samples.Problem)},
         )
 
+    async def read_held(self, namespace: str, routers: Sequence[Pod]) -> float | samples.Problem:
+        pages = await asyncio.gather(*(self._page(pod) for pod in routers))
+        return samples.total_held({
+            pod_name(pod): page if isinstance(page, samples.Problem) else samples.held_from_page(pod_name(pod), page)
+            for pod, page in zip(routers, pages)
+        })
+
     async def _read_pod(self, pod: Pod, now: float) -> samples.PodSample | samples.Problem:
+        page = await self._page(pod)
+        return page if isinstance(page, samples.Problem) else samples.from_page(pod_name(pod), page, now)
+
+    async def _page(self, pod: Pod) -> str | samples.Problem:
         name = pod_name(pod)
         url = self._url_of(pod)
         if url is None:
@@ -87,10 +102,9 @@ class DirectScrape:
             async with self._session.get(url, timeout=self._timeout) as response:
                 if response.status != 200:
                     return samples.Problem(samples.MISSING, f"pod {name}: GET /metrics answered {response.status}")
-                text = (await response.content.read(_MAX_ANSWER_BYTES)).decode(errors="replace")
+                return (await response.content.read(_MAX_ANSWER_BYTES)).decode(errors="replace")
         except (TimeoutError, aiohttp.ClientError) as error:
             return samples.Problem(samples.MISSING, f"pod {name}: GET /metrics failed: {error!r}")
-        return samples.from_page(name, text, now)
 
 
 class Prometheus:
@@ -121,6 +135,16 @@ class Prometheus:
             if isinstance(answer, BaseException):
                 raise answer
         return samples.from_vectors(names, dict(zip(wanted, answers)))
+
+    async def read_held(self, namespace: str, routers: Sequence[Pod]) -> float | samples.Problem:
+        names = [pod_name(pod) for pod in routers]
+        if not names:
+            return samples.total_held({})
+        try:
+            answer = await self._query(samples.held_query(namespace, names))
+        except _Failed as failed:
+            return failed.problem
+        return samples.held_from_vector(names, answer)
 
     async def _query(self, query: str) -> dict[str, float]:
         # POST: with many pods, the query outgrows what a URL may carry.

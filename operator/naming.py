@@ -35,12 +35,34 @@ def selector_labels(engine_name: str) -> dict[str, str]:
     }
 
 
+def router_selector_labels(engine_name: str) -> dict[str, str]:
+    """The labels that pick one engine's router pods."""
+    return {**selector_labels(engine_name), COMPONENT_LABEL: "router"}
+
+
+def instance_labels(engine_name: str) -> dict[str, str]:
+    """The labels shared by an engine's pods and its routers' (a ServiceMonitor scrapes both)."""
+    return {NAME_LABEL: "kvpilot", INSTANCE_LABEL: engine_name}
+
+
 def labels(engine_name: str) -> dict[str, str]:
     return {**selector_labels(engine_name), PART_OF_LABEL: "kvpilot", MANAGED_BY_LABEL: FIELD_MANAGER}
 
 
+def router_labels(engine_name: str) -> dict[str, str]:
+    return {**labels(engine_name), COMPONENT_LABEL: "router"}
+
+
 def selector_string(engine_name: str) -> str:
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(engine_name).items()))
+    return _selector(selector_labels(engine_name))
+
+
+def router_selector_string(engine_name: str) -> str:
+    return _selector(router_selector_labels(engine_name))
+
+
+def _selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def config_map_name(engine_name: str) -> str:
@@ -57,6 +79,21 @@ def admin_token_secret_name(engine_name: str) -> str:
 
 def scheduling_config_map_name(engine_name: str) -> str:
     return f"{engine_name}-scheduling"
+
+
+def cache_salt_secret_name(engine_name: str) -> str:
+    return f"{engine_name}-cache-salt"
+
+
+def router_name(engine_name: str) -> str:
+    """The router's Deployment, PodDisruptionBudget, ServiceAccount, Role and RoleBinding."""
+    return f"{engine_name}-router"
+
+
+def engines_service_name(engine_name: str) -> str:
+    """With routing, the Service of the engine pods themselves, which the routers watch; the
+    engine's own name stays with the Service that clients call."""
+    return f"{engine_name}-engines"
 
 
 def owner_name(child: Mapping[str, Any]) -> str | None:

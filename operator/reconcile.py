@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import kopf
 
-from kvpilot.operator import kube, naming, render, status
+from kvpilot.operator import kube, naming, pod_parts, render, render_router, status
 
 SERVICE_MONITORS = ("monitoring.coreos.com/v1", "servicemonitors")
 # How long one discovery answer (are ServiceMonitors served?) holds for every pass: a fleet's
@@ -114,9 +114,16 @@ class Reconciler:
     async def _reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         keys, problems = await self.tenant_keys(engine)
         admin_token = await self.admin_token(engine)
+        # Read (or made) only where rendered: an engine without routing reads no more than before.
+        cache_salt = await self.cache_salt(engine) if render_router.routed(engine) else ""
         monitor = await self._serves_service_monitors()
-        for child in render.children(engine, tenant_keys=keys, admin_token=admin_token, service_monitor=monitor):
+        for child in render.children(engine, tenant_keys=keys, admin_token=admin_token, cache_salt=cache_salt,
+                                     service_monitor=monitor):
             await self._apply(engine, child)
+        if not render_router.routed(engine) and self._routing_was_on(engine):
+            # The Service leads to the engines again (applied above), and the routers go.
+            for child in render_router.retired(engine):
+                await self._delete(engine, child)
         await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], problems=problems)
         for problem in problems:
             kopf.warn(_about(engine), reason=status.TENANT_KEY_MISSING, message=problem)
@@ -184,8 +191,12 @@ class Reconciler:
                              problems: list[str] | None = None) -> None:
         async def derived(engine: Mapping[str, Any]) -> dict[str, Any]:
             deployment = await self.client.get(kube.path("apps/v1", "Deployment", namespace, name))
-            return status.derive(engine, deployment, now=datetime.datetime.now(datetime.UTC), failure=failure,
-                                 problems=problems)
+            routers = None
+            if render_router.routed(engine):
+                routers = await self.client.get(
+                    kube.path("apps/v1", "Deployment", namespace, naming.router_name(name)))
+            return status.derive(engine, deployment, routers=routers, now=datetime.datetime.now(datetime.UTC),
+                                 failure=failure, problems=problems)
 
         await self.update_status(namespace, name, derived)
 
@@ -228,29 +239,54 @@ class Reconciler:
         """The engine's admin token, base64 as in its Secret: the one stored, or a new random one
         where none is, or where what is stored is not a token (the pods re-read the token file,
         so even a lost race is no outage)."""
-        stored = await self._stored_admin_token(engine, as_applied=True)
-        if stored is not None and decoded_token(stored) is not None:
-            return stored
-        return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+        return await self._kept_secret(engine, naming.admin_token_secret_name, render.ADMIN_TOKEN_KEY)
+
+    async def cache_salt(self, engine: Mapping[str, Any]) -> str:
+        """The fleet's salt secret, base64 as in its Secret, kept as the admin token is. Made anew
+        only where none is stored: every tenant's prefix cache starts cold then, and the engines
+        and routers read the new one alike."""
+        return await self._kept_secret(engine, naming.cache_salt_secret_name, pod_parts.CACHE_SALT_KEY)
 
     async def admin_token_in_use(self, engine: Mapping[str, Any]) -> str | None:
         """The token the engine's pods accept, decoded; None where its Secret is missing or holds none.
         Read from the Secret itself: it is what the pods read, whatever happened to it."""
-        return decoded_token(await self._stored_admin_token(engine, as_applied=False))
-
-    async def _stored_admin_token(self, engine: Mapping[str, Any], *, as_applied: bool) -> str | None:
-        """`as_applied`: as the operator last applied it, where nothing changed it since."""
         meta = engine["metadata"]
-        path = kube.path("v1", "Secret", meta["namespace"], naming.admin_token_secret_name(meta["name"]))
+        return decoded_token(await self._stored_secret(
+            meta, naming.admin_token_secret_name, render.ADMIN_TOKEN_KEY, as_applied=False))
+
+    async def _kept_secret(self, engine: Mapping[str, Any], secret_name: Callable[[str], str], key: str) -> str:
+        """A random token that the operator makes once and keeps in a Secret of its own."""
+        stored = await self._stored_secret(engine["metadata"], secret_name, key, as_applied=True)
+        if stored is not None and decoded_token(stored) is not None:
+            return stored
+        return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+
+    async def _stored_secret(self, meta: Mapping[str, Any], secret_name: Callable[[str], str], key: str, *,
+                             as_applied: bool) -> str | None:
+        """`as_applied`: as the operator last applied it, where nothing changed it since."""
+        path = kube.path("v1", "Secret", meta["namespace"], secret_name(meta["name"]))
         applied = self._applied.get(path) if as_applied else None
         secret = applied.manifest if applied is not None else await self.read_child(path)
-        return (secret or {}).get("data", {}).get(render.ADMIN_TOKEN_KEY) or None
+        return (secret or {}).get("data", {}).get(key) or None
 
     async def _serves_service_monitors(self) -> bool:
         now = self._clock()
         if self._monitors_served is None or now - self._monitors_served[0] >= DISCOVERY_TTL_SECONDS:
             self._monitors_served = (now, await self.client.serves(*SERVICE_MONITORS))
         return self._monitors_served[1]
+
+    def _routing_was_on(self, engine: Mapping[str, Any]) -> bool:
+        """Known without a read: RouterReady in status (dropped once routing is off, so a
+        later pass reads none), or routers this operator applied since it started (a quick
+        flip, before status told)."""
+        meta = engine["metadata"]
+        routers = kube.path("apps/v1", "Deployment", meta["namespace"], naming.router_name(meta["name"]))
+        return bool(status.condition(engine, status.ROUTER_READY)) or routers in self._applied
+
+    async def _delete(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
+        self._applied.pop(kube.path_of(child), None)
+        if await self.client.delete(kube.path_of(child)):
+            kopf.info(_about(engine), reason="Deleted", message=f"Deleted {child['kind']} {child['metadata']['name']}")
 
     async def _apply(self, engine: Mapping[str, Any], child: Mapping[str, Any]) -> None:
         if child["kind"] not in self._unwatched_kinds and self.as_applied(child):

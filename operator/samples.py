@@ -23,6 +23,8 @@ METRICS = (KV_CACHE_USAGE, NUM_WAITING, NUM_RUNNING)
 # A counter (summed over finished_reason), read where a pod exports it: two readings of it give
 # the pod's completion rate, which the autoscaler drains a backlog by.
 REQUESTS_FINISHED = "vllm:request_success_total"
+# A router's gauge (with routing): the requests it holds because no replica is ready to take them.
+REQUESTS_HELD = "kvpilot:router_requests_held"
 
 # The reasons of MetricsAvailable=False.
 MISSING = "MetricsMissing"
@@ -74,15 +76,54 @@ def checked(pod: str, values: Mapping[str, float], observed_at: float) -> PodSam
 def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
     """A pod's /metrics page (Prometheus text format) -> its sample. Series of one metric (one per
     model name, or finish reason) are summed."""
-    values: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(_wanted_lines(text)):
-            for sample in family.samples:
-                if sample.name in METRICS or sample.name == REQUESTS_FINISHED:
-                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    except (ValueError, TypeError, IndexError) as error:
+        values = _summed(text, _WANTED_FAMILIES, (*METRICS, REQUESTS_FINISHED))
+    except _NOT_TEXT_FORMAT as error:
         return Problem(INVALID, f"pod {pod}: /metrics is not Prometheus text ({error})")
     return checked(pod, values, observed_at)
+
+
+def held_from_page(pod: str, text: str) -> float | Problem:
+    """A router pod's /metrics page -> the requests it holds, or the problem with it."""
+    try:
+        values = _summed(text, (REQUESTS_HELD,), (REQUESTS_HELD,))
+    except _NOT_TEXT_FORMAT as error:
+        return Problem(INVALID, f"router pod {pod}: /metrics is not Prometheus text ({error})")
+    return checked_held(pod, values.get(REQUESTS_HELD))
+
+
+def checked_held(pod: str, value: float | None) -> float | Problem:
+    if value is None:
+        return Problem(MISSING, f"router pod {pod} reports no {REQUESTS_HELD}")
+    if not math.isfinite(value) or value < 0:
+        return Problem(INVALID, f"router pod {pod} reports {REQUESTS_HELD} = {value}")
+    return value
+
+
+def total_held(held: Mapping[str, float | Problem]) -> float | Problem:
+    """The requests every ready router holds, or the first problem: a router not read may hold
+    the only request there is."""
+    if not held:
+        return Problem(MISSING, "no router is ready to be read")
+    for value in held.values():
+        if isinstance(value, Problem):
+            return value
+    return sum(value for value in held.values() if not isinstance(value, Problem))
+
+
+# What the parser raises for a page that is not in the text format.
+_NOT_TEXT_FORMAT = (ValueError, TypeError, IndexError)
+
+
+def _summed(text: str, families: tuple[str, ...], names: tuple[str, ...]) -> dict[str, float]:
+    """The page's samples of `names`, each summed over its series (one per model name, or
+    finish reason); one of _NOT_TEXT_FORMAT where the page is not Prometheus text."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(_wanted_lines(text, families)):
+        for sample in family.samples:
+            if sample.name in names:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
 
 
 # The families a sample is made of (a counter's family name has no _total). The parser would take
@@ -94,13 +135,13 @@ _WANTED_FAMILIES = (*METRICS, REQUESTS_FINISHED.removesuffix("_total"))
 _TEXT_FORMAT_LINE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ \t]|#|\s*$")
 
 
-def _wanted_lines(text: str) -> str:
-    """The lines of the wanted families' samples and metadata, for the parser; ValueError for a
-    line that is no text-format line at all."""
+def _wanted_lines(text: str, families: tuple[str, ...]) -> str:
+    """The lines of `families`' samples and metadata, for the parser; ValueError for a line that
+    is no text-format line at all."""
     kept = []
     for line in text.splitlines():
         named = line[len("# HELP "):] if line.startswith(("# HELP ", "# TYPE ")) else line
-        if named.startswith(_WANTED_FAMILIES):
+        if named.startswith(families):
             kept.append(line)
         elif not _TEXT_FORMAT_LINE.match(line):
             raise ValueError(f"line {line[:40]!r}")
@@ -132,6 +173,17 @@ def queries(namespace: str, pods: Iterable[str], window: str) -> dict[str, str]:
     found[REQUESTS_FINISHED] = f"sum by (pod) ({REQUESTS_FINISHED}{{{selector}}})"
     found["observed_at"] = f"max by (pod) (timestamp({KV_CACHE_USAGE}{{{selector}}}))"
     return found
+
+
+def held_query(namespace: str, pods: Iterable[str]) -> str:
+    """The PromQL for each router pod's held requests, one series per pod (as `queries`)."""
+    selector = f"{label_matcher('namespace', namespace)},{label_regex_matcher('pod', pods)}"
+    return f"max by (pod) ({REQUESTS_HELD}{{{selector}}})"
+
+
+def held_from_vector(pods: Iterable[str], answer: Mapping[str, float]) -> float | Problem:
+    """The answer of `held_query` -> the requests the routers hold, or the problem with it."""
+    return total_held({pod: checked_held(pod, answer.get(pod)) for pod in pods})
 
 
 def vector(answer: Any) -> dict[str, float]:

@@ -69,6 +69,8 @@ RESERVED_FLAGS: dict[str, str] = {
     "--api-key": "a key in the pod's arguments would be readable by anyone who can read the Deployment; "
                  "use scheduling.tenants with apiKeySecretRef",
     "--model": "vLLM's spelling of the model argument; the operator passes the mounted model folder itself",
+    "--kv-events-config": "with routing, the operator's own publisher and replay sockets, which the routers subscribe to",
+    "--cache-salt-secret-file": "with routing, the operator's salt Secret, which engines and routers must share",
 }
 
 

@@ -13,10 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator import autoscaler, naming, render
+from kvpilot.operator import autoscaler, naming, render, render_router
 
 READY = "Ready"
 PROGRESSING = "Progressing"
+# With routing: whether a router serves (takes requests, and holds them while no engine runs).
+ROUTER_READY = "RouterReady"
+SCALED_TO_ZERO = "ScaledToZero"
 # True while the spec applies but part of it cannot work (a tenant's key Secret is missing):
 # the engine serves, without what is broken, and the reconcile retries with a growing delay.
 DEGRADED = "Degraded"
@@ -41,10 +44,12 @@ def derive(
     deployment: Mapping[str, Any] | None,
     *,
     now: datetime.datetime,
+    routers: Mapping[str, Any] | None = None,
     failure: str | None = None,
     problems: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The status fields the reconciler owns. `failure` is why applying the current spec failed;
+    """The status fields the reconciler owns. `routers` is the routers' Deployment (with
+    routing). `failure` is why applying the current spec failed;
     a failure recorded earlier for the same generation stands until the spec changes. `problems`
     are what a reconcile pass found missing (the Degraded condition); None leaves that condition
     as it is (a refresh that did not look)."""
@@ -66,6 +71,17 @@ def derive(
 
     stamp = timestamp(now)
     conditions = list(current.get("conditions", []))
+    if render_router.routed(engine):
+        router_ready, router_reason, router_message = _judge_routers(routers)
+        conditions = set_condition(conditions, ROUTER_READY, router_ready, router_reason, router_message,
+                                   observed, stamp)
+        if router_ready and verdict.reason == SCALED_TO_ZERO:
+            # Nothing runs, and nothing needs to: the routers take requests, and the first one
+            # scales the engine up.
+            verdict = _Verdict("Ready", SCALED_TO_ZERO, "no engine replica runs; the routers hold requests and"
+                               " the first one scales the engine up", rolled_out=True)
+    else:
+        conditions = [c for c in conditions if c.get("type") != ROUTER_READY]
     autoscaled = spec["autoscaling"]["enabled"]
     if not autoscaled:
         # Once the autoscaler is off, its conditions would stand still, stale.
@@ -201,7 +217,7 @@ def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
                         f"{updated}/{wanted} replicas run the current pod template;"
                         f" {total - updated} old replicas remain")
     if wanted == 0:
-        return _Verdict("Pending", "ScaledToZero", "spec.replicas is 0: no engine is running")
+        return _Verdict("Pending", SCALED_TO_ZERO, "spec.replicas is 0: no engine is running")
     if available < wanted:
         # Once the Deployment has called its rollout complete, missing replicas are lost ones,
         # not new ones still starting.
@@ -210,6 +226,18 @@ def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
                             rolled_out=True)
         return _Verdict("Progressing", "RollingOut", f"{available}/{wanted} updated replicas are available")
     return _Verdict("Ready", "Available", f"{available}/{wanted} replicas are available", rolled_out=True)
+
+
+def _judge_routers(routers: Mapping[str, Any] | None) -> tuple[bool, str, str]:
+    """RouterReady's status, reason and message: True while at least one router is available
+    (they are active-active, so one serves every request)."""
+    if routers is None:
+        return False, "RouterDeploymentMissing", "the routers' Deployment does not exist yet"
+    wanted = routers.get("spec", {}).get("replicas", 1)
+    available = (routers.get("status") or {}).get("availableReplicas", 0)
+    if available == 0:
+        return False, "NoRouterAvailable", f"0/{wanted} routers are available"
+    return True, "RoutersAvailable", f"{available}/{wanted} routers are available"
 
 
 def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[str, Any]:

@@ -39,6 +39,7 @@ class Settings:
     interval_seconds: float = 15.0
     scale_up_stabilization_seconds: float = 0.0
     scale_down_stabilization_seconds: float = 300.0
+    scale_to_zero_after_seconds: float = 300.0  # with min_replicas 0
     calm_window_seconds: float = 300.0
 
 
@@ -106,6 +107,7 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) 
             "intervalSeconds": settings.interval_seconds,
             "scaleUpStabilizationSeconds": settings.scale_up_stabilization_seconds,
             "scaleDownStabilizationSeconds": settings.scale_down_stabilization_seconds,
+            "scaleToZeroAfterSeconds": settings.scale_to_zero_after_seconds,
         },
         "scheduling": {"policy": tuner.AUTO if tuned else tuner.CALM_POLICY,
                        "calmWindowSeconds": settings.calm_window_seconds},

@@ -11,10 +11,12 @@ import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from aiohttp import web
 
+from kvpilot.runtime.router.metrics import RouterMetrics
 from kvpilot.runtime.server.metrics import ServerMetrics
 
 SLOW_SECONDS = 2.0
@@ -33,6 +35,8 @@ class Gauges:
 class FakeMetrics:
     url: str = ""
     pods: dict[str, Gauges] = field(default_factory=dict)
+    # Router pods: the requests each holds (kvpilot:router_requests_held).
+    held: dict[str, int] = field(default_factory=dict)
     # A page that replaces a pod's rendered one (not Prometheus text, NaN, ...).
     raw_pages: dict[str, str] = field(default_factory=dict)
     down: bool = False  # every endpoint answers 503
@@ -55,6 +59,8 @@ class FakeMetrics:
             await asyncio.sleep(SLOW_SECONDS)
         if pod in self.raw_pages:
             return web.Response(text=self.raw_pages[pod])
+        if pod in self.held:
+            return web.Response(text=_router_page(self.held[pod]), content_type="text/plain")
         if pod not in self.pods:
             return web.Response(status=404, text="no such pod")
         gauges = self.pods[pod]
@@ -69,8 +75,11 @@ class FakeMetrics:
         self.queries.append(query)
         asked = re.search(r'pod=~"([^"]*)"', query)
         assert asked is not None, query
-        pods = [pod for pod in self.pods if re.escape(pod) in asked.group(1).replace("\\\\", "\\").split("|")]
-        if query.startswith("max by (pod) (timestamp("):
+        wanted = asked.group(1).replace("\\\\", "\\").split("|")
+        pods = [pod for pod in self.pods if re.escape(pod) in wanted]
+        if query.startswith("max by (pod) (kvpilot:router_requests_held{"):
+            values = {pod: count for pod, count in self.held.items() if re.escape(pod) in wanted}
+        elif query.startswith("max by (pod) (timestamp("):
             values = {pod: self.pods[pod].scraped_at or time.time() for pod in pods}
         elif query.startswith("sum by (pod) (vllm:request_success_total{"):
             values = {pod: self.pods[pod].finished for pod in pods}
@@ -95,6 +104,11 @@ def _engine_page(kv: float, waiting: int, running: int, finished: int) -> str:
     # The engine's page counts finished requests per reason from 0; these all stopped.
     return re.sub(r'^(vllm:request_success_total\{[^}]*finished_reason="stop"[^}]*\}) 0\.0$',
                   rf"\g<1> {finished}.0", page.render().decode(), flags=re.MULTILINE)
+
+
+def _router_page(held: int) -> str:
+    # The router's own renderer, with no replica known (its per-replica gauges are not read here).
+    return RouterMetrics(SimpleNamespace(replicas={}), lambda: held).render().decode()  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager

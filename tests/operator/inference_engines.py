@@ -46,6 +46,9 @@ FULL_SPEC: dict[str, Any] = {
         ],
     },
     "service": {"port": 80},
+    # The golden files are the engine without a router, as rendered before routing existed;
+    # test_operator_render_router.py renders this spec with routing on.
+    "routing": {"enabled": False},
 }
 
 PROD_KEY = "sk-prod-0123456789"
@@ -58,6 +61,7 @@ def b64(text: str) -> str:
 
 TENANT_KEYS = {"prod": b64(PROD_KEY), "batch": b64(BATCH_KEY)}
 ADMIN_TOKEN = b64("admin-token-0123456789")
+CACHE_SALT = b64("cache-salt-0123456789")
 
 
 def engine(spec: dict[str, Any] | None = None, *, name: str = "llama", namespace: str = "ml",

@@ -14,6 +14,10 @@ from fake_pods import FakePod, serving
 from operator_harness import NAMESPACE, TEST_CLIENT, Cluster, child, cluster, created, eventually, operator, phase_is, run
 
 Right = tuple[str, str, str]
+# Rights the operator holds only to grant them, in the routers' Role: the API server refuses a
+# Role that grants more than its maker holds.
+GRANTED_TO_ROUTERS: set[Right] = {("discovery.k8s.io", "endpointslices", "list"),
+                                  ("discovery.k8s.io", "endpointslices", "watch")}
 
 
 def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
@@ -28,7 +32,8 @@ def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
 
 def recorded_calls(tmp_path: Path) -> set[Right]:
     """Every right the operator needs while it creates an engine's children (ServiceMonitor
-    included), follows a spec change and a rollout, recreates a deleted Deployment, autoscales,
+    included), follows a spec change and a rollout, recreates a deleted Deployment, adds the
+    routers (their ServiceAccount, Role and RoleBinding) and removes them, autoscales,
     reading the pods directly and then through Prometheus, and tunes the scheduling policy."""
     async def scenario() -> set[Right]:
         pod = FakePod(token=None)
@@ -42,6 +47,10 @@ def recorded_calls(tmp_path: Path) -> set[Right]:
             await eventually(lambda: phase_is(k, "Ready", 2), "Ready")
             await k.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/qwen")
             await eventually(lambda: k.deployment("qwen"), "the recreated Deployment")
+            await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": True}))
+            await eventually(lambda: k.deployment("qwen-router"), "the routers")
+            await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": False}))
+            await eventually(lambda: k.deployment("qwen-router") is None, "the routers gone")
 
             await k.create_pod("qwen-a", "qwen", ready=True)
             fake.set(["qwen-a"], kv=1.0)

@@ -41,6 +41,8 @@ SPEC: dict[str, Any] = {
     "image": "ghcr.io/kvpilot/kvpilot:0.1.0",
     "replicas": 2,
     "scheduling": {"tenants": [{"name": "prod", "priority": 10, "apiKeySecretRef": {"name": "prod-key"}}]},
+    # The engine alone; test_operator_routing.py runs it with its routers.
+    "routing": {"enabled": False},
 }
 CHILDREN = {
     "Deployment": "apps/v1/deployments",
@@ -51,6 +53,12 @@ CHILDREN = {
     "ServiceMonitor": "monitoring.coreos.com/v1/servicemonitors",
     "AdminToken": "v1/secrets",
     "SchedulingConfig": "v1/configmaps",
+}
+# The kinds only routing adds (its Deployment, Service, PDB and Secret are of the kinds above).
+ROUTER_KINDS = {
+    "ServiceAccount": "v1/serviceaccounts",
+    "Role": "rbac.authorization.k8s.io/v1/roles",
+    "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
 }
 CHILD_NAMES = {"ConfigMap": "qwen-config", "Secret": "qwen-tenant-keys", "AdminToken": "qwen-admin-token",
                "SchedulingConfig": "qwen-scheduling"}
@@ -149,11 +157,12 @@ class Cluster:
             [{"op": "replace", "path": "/spec", "value": engine["spec"]}], "application/json-patch+json",
         )
 
-    async def create_pod(self, name: str, engine: str, *, ready: bool) -> None:
-        """A pod of the engine's Deployment, as its ReplicaSet and the kubelet would make it."""
+    async def create_pod(self, name: str, engine: str, *, ready: bool, router: bool = False) -> None:
+        """A pod of the engine's Deployment (or its routers'), as its ReplicaSet and the kubelet would make it."""
+        labels = naming.router_selector_labels(engine) if router else naming.selector_labels(engine)
         await self._send("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": naming.selector_labels(engine)},
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
             "status": _pod_status(ready),
         })
 
@@ -345,6 +354,7 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
         CHILDREN["Service"]: ("Service", {"status"}),
         CHILDREN["ConfigMap"]: ("ConfigMap", set()),
         CHILDREN["Secret"]: ("Secret", set()),
+        **{resource: (kind, set()) for kind, resource in ROUTER_KINDS.items()},
         "v1/pods": ("Pod", {"status"}),
         "v1/events": ("Event", set()),
     }

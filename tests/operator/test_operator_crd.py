@@ -56,7 +56,7 @@ def test_schema_carries_every_design_field() -> None:
     spec = engine_schema()["properties"]["spec"]["properties"]
     assert set(spec) >= {
         "model", "image", "replicas", "resources", "podTemplate", "parallelism", "engine",
-        "scheduling", "autoscaling", "service",
+        "scheduling", "autoscaling", "service", "routing",
     }
     assert set(spec["model"]["properties"]) == {"name", "pvc", "hostPath", "huggingFace"}
     assert set(spec["model"]["properties"]["pvc"]["properties"]) == {"claimName", "subPath"}
@@ -74,9 +74,13 @@ def test_schema_carries_every_design_field() -> None:
     }
     assert set(spec["autoscaling"]["properties"]) == {
         "enabled", "minReplicas", "maxReplicas", "targetKVCacheUsage", "targetQueueDepth", "prometheus",
-        "intervalSeconds", "scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds",
+        "intervalSeconds", "scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds", "scaleToZeroAfterSeconds",
     }
     assert set(spec["service"]["properties"]) == {"type", "port"}
+    assert set(spec["routing"]["properties"]) == {
+        "enabled", "replicas", "resources", "strategy", "boundedLoadFactor", "holdTimeoutSeconds",
+    }
+    assert spec["routing"]["properties"]["strategy"]["enum"] == ["prefix-aware", "least-loaded", "round-robin"]
 
     status = engine_schema()["properties"]["status"]["properties"]
     assert set(status) == {
@@ -100,6 +104,11 @@ def test_design_defaults() -> None:
     assert spec["autoscaling"] == {
         "enabled": False, "minReplicas": 1, "targetKVCacheUsage": 0.8, "targetQueueDepth": 5,
         "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300,
+        "scaleToZeroAfterSeconds": 300,
+    }
+    assert spec["routing"] == {
+        "enabled": True, "replicas": 2, "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        "strategy": "prefix-aware", "boundedLoadFactor": 1.25, "holdTimeoutSeconds": 60,
     }
     assert spec["engine"] == {"blockSize": 16, "enablePrefixCaching": True, "shutdownTimeoutSeconds": 30}
 
@@ -122,11 +131,12 @@ def test_subresources_and_printer_columns() -> None:
         },
     }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0}
-    assert list(columns) == ["Model", "TP", "Ready", "Desired", "Policy", "KV%", "Age"]
+    assert list(columns) == ["Model", "TP", "Ready", "Router", "Desired", "Policy", "KV%", "Age"]
     assert columns == {
         "Model": ".spec.model.name",
         "TP": ".spec.parallelism.tensor",
         "Ready": ".status.readyReplicas",
+        "Router": '.status.conditions[?(@.type=="RouterReady")].status',
         "Desired": ".status.desiredReplicas",
         "Policy": ".status.effectiveSchedulingPolicy",
         "KV%": ".status.metrics.kvCacheUsage",
@@ -200,7 +210,12 @@ def test_invalid_specs_are_rejected_with_a_clear_message(change: str, expected: 
         ({"replicas": -1}, "-1 is less than the minimum of 0"),
         ({"model": {"name": "", "pvc": {"claimName": "models"}}}, "should be non-empty"),
         ({"image": ""}, "should be non-empty"),
-        ({"autoscaling": {"minReplicas": 0}}, "0 is less than the minimum of 1"),
+        ({"autoscaling": {"minReplicas": 0}, "routing": {"enabled": False}},
+         "autoscaling.minReplicas 0 needs routing.enabled"),
+        ({"autoscaling": {"minReplicas": -1}}, "-1 is less than the minimum of 0"),
+        ({"routing": {"replicas": 1}}, "1 is less than the minimum of 2"),
+        ({"routing": {"strategy": "random"}}, "'random' is not one of"),
+        ({"routing": {"boundedLoadFactor": 0.5}}, "0.5 is less than the minimum of 1"),
         ({"autoscaling": {"targetKVCacheUsage": 0}}, "less than or equal to the minimum of 0"),
     ],
 )
@@ -226,6 +241,19 @@ def test_replicas_outside_the_autoscaling_bounds_are_accepted(change: dict[str, 
     assert errors(with_defaults(engine)) == []
 
 
+def test_scale_to_zero_is_accepted_with_routing() -> None:
+    engine = example()
+    engine["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0, "maxReplicas": 4}
+    assert errors(with_defaults(engine)) == []
+
+
+def test_scale_to_zero_without_routing_names_the_field_and_the_reason() -> None:
+    engine = example()
+    engine["spec"].update(autoscaling={"minReplicas": 0, "maxReplicas": 4}, routing={"enabled": False})
+    (found,) = errors(with_defaults(engine))
+    assert found.startswith("spec.autoscaling.minReplicas: autoscaling.minReplicas 0 needs routing.enabled"), found
+
+
 def test_long_or_odd_names_are_rejected() -> None:
     for name in ("a" * 53, "1engine", "my.engine"):
         engine = example()
@@ -244,7 +272,8 @@ def test_extra_args_rule_forbids_exactly_the_rendered_flags() -> None:
         },
     })
     rendered = {arg for arg in render.serve_args(engine) if arg.startswith("--")}
-    owned = {"--no-enable-prefix-caching", "--scheduling-policy-file", "--api-key", "--model"}  # auto renders the file flag
+    owned = {"--no-enable-prefix-caching", "--scheduling-policy-file", "--api-key", "--model",
+             "--kv-events-config", "--cache-salt-secret-file"}  # routing renders these two  # auto renders the file flag
     assert all(re.fullmatch(pattern, flag) for flag in rendered | owned)
     for unowned in ("--seed", "--dtype", "--enable-chunked-prefill", "--portable"):
         assert not re.fullmatch(pattern, unowned), unowned

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from crd_validation import engine_schema
-from inference_engines import ADMIN_TOKEN, BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
+from inference_engines import ADMIN_TOKEN, BATCH_KEY, CACHE_SALT, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
 from kvpilot.operator import render
 from kvpilot.runtime import cli
 from kvpilot.runtime.config import ATTENTION_BACKENDS
@@ -53,7 +53,7 @@ def test_the_engine_accepts_the_examples_flags(monkeypatch: pytest.MonkeyPatch) 
 def test_the_engine_reads_the_rendered_tenants_file(tmp_path: Path) -> None:
     tenants = pytest.importorskip("kvpilot.runtime.server.tenants")
     rendered = {c["metadata"]["name"]: c for c in render.children(
-        engine(), tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, service_monitor=False)}
+        engine(), tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, cache_salt=CACHE_SALT, service_monitor=False)}
     # Lay out the two volumes as the kubelet would, under tmp_path instead of /.
     keys_dir = tmp_path / render.TENANT_KEYS_DIR.lstrip("/")
     keys_dir.mkdir(parents=True)

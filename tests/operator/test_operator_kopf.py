@@ -167,7 +167,7 @@ def test_an_operator_restarted_in_the_middle_of_a_reconcile_converges_without_du
                 await k.roll_out("qwen")
                 await eventually(lambda: phase_is(k, "Ready", 1), "Ready at generation 1")
             # Exactly the objects the renderer names, once each: nothing made twice under other names.
-            rendered = render.children(k.engine("qwen"), tenant_keys={"prod": key("sk-prod")}, admin_token="t",
+            rendered = render.children(k.engine("qwen"), tenant_keys={"prod": key("sk-prod")}, admin_token="t", cache_salt="s",
                                        service_monitor=True)
             for resource in set(CHILDREN.values()):
                 owned = sorted(address[2] for address, obj in k.server.objects.items()

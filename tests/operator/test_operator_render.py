@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inference_engines import ADMIN_TOKEN, BATCH_KEY, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
+from inference_engines import ADMIN_TOKEN, BATCH_KEY, CACHE_SALT, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
 from kvpilot.operator import naming, render
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -34,7 +34,7 @@ _GoldenDumper.add_representer(
 def children(obj: dict[str, Any], *, keys: dict[str, str] | None = None, monitor: bool = False) -> dict[str, Any]:
     """The rendered objects by name, and by kind for the first of each kind (for the two Secrets
     and the two ConfigMaps, the kind names the tenant keys and the engine config)."""
-    rendered = render.children(obj, tenant_keys=TENANT_KEYS if keys is None else keys, admin_token=ADMIN_TOKEN,
+    rendered = render.children(obj, tenant_keys=TENANT_KEYS if keys is None else keys, admin_token=ADMIN_TOKEN, cache_salt=CACHE_SALT,
                                service_monitor=monitor)
     found: dict[str, Any] = {}
     for child in rendered:
@@ -70,7 +70,7 @@ def test_golden(kind: str) -> None:
 
 
 def test_children_in_creation_order() -> None:
-    rendered = render.children(engine(), tenant_keys={}, admin_token=ADMIN_TOKEN, service_monitor=True)
+    rendered = render.children(engine(), tenant_keys={}, admin_token=ADMIN_TOKEN, cache_salt=CACHE_SALT, service_monitor=True)
     assert [(c["kind"], c["metadata"]["name"]) for c in rendered] == [
         ("Secret", "llama-tenant-keys"), ("Secret", "llama-admin-token"), ("ConfigMap", "llama-config"),
         ("ConfigMap", "llama-scheduling"), ("Service", "llama"), ("Deployment", "llama"),
@@ -86,7 +86,7 @@ def test_service_monitor_only_where_its_api_exists() -> None:
 
 
 def test_every_child_is_owned_and_labelled() -> None:
-    for child in render.children(engine(), tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, service_monitor=True):
+    for child in render.children(engine(), tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, cache_salt=CACHE_SALT, service_monitor=True):
         meta = child["metadata"]
         assert meta["namespace"] == "ml"
         assert meta["ownerReferences"] == [{
@@ -104,7 +104,7 @@ def test_every_child_is_owned_and_labelled() -> None:
 
 def test_rendered_children_are_valid_kubernetes_objects() -> None:
     for obj in (engine(), example(), engine({"model": {"name": "m", "hostPath": "/models/m"}, "image": "i"})):
-        for child in render.children(obj, tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, service_monitor=False):
+        for child in render.children(obj, tenant_keys=TENANT_KEYS, admin_token=ADMIN_TOKEN, cache_salt=CACHE_SALT, service_monitor=False):
             kubernetes_validate.validate(child, "1.30", strict=True)
 
 

@@ -4,10 +4,12 @@ answers and pod pages parsed, and every kind of bad input a Problem, never an ex
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from kvpilot.operator import samples
+from kvpilot.runtime.router.metrics import RouterMetrics
 from kvpilot.runtime.server.metrics import ServerMetrics
 
 
@@ -116,3 +118,40 @@ def test_only_the_wanted_families_are_parsed() -> None:
         'vllm:e2e_request_latency_seconds_bucket{le="1" 3',
     ]) + "\n"
     assert samples.from_page("p", page, 0.0) == samples.PodSample("p", 0.25, 1, 2, 0.0, num_finished=0.0)
+
+
+def router_page(held: int) -> str:
+    """What a kvpilot router's /metrics serves (its own renderer), with no replica known."""
+    return RouterMetrics(SimpleNamespace(replicas={}), lambda: held).render().decode()  # type: ignore[arg-type]
+
+
+def test_a_router_page_is_its_held_count() -> None:
+    assert samples.held_from_page("r0", router_page(3)) == 3
+
+
+@pytest.mark.parametrize(("page", "reason", "words"), [
+    ("<html>502</html>", samples.INVALID, "router pod r0: /metrics is not Prometheus text"),
+    (engine_page(0.5, 0, 0), samples.MISSING, "router pod r0 reports no kvpilot:router_requests_held"),
+    (router_page(0).replace("kvpilot:router_requests_held 0.0", "kvpilot:router_requests_held NaN"),
+     samples.INVALID, "kvpilot:router_requests_held = nan"),
+])
+def test_bad_router_pages_are_problems(page: str, reason: str, words: str) -> None:
+    problem = samples.held_from_page("r0", page)
+    assert isinstance(problem, samples.Problem) and problem.reason == reason and words in problem.message, problem
+
+
+def test_the_fleet_holds_what_every_router_holds() -> None:
+    assert samples.total_held({"r0": 2.0, "r1": 1.0}) == 3
+    broken = samples.Problem(samples.MISSING, "router pod r1: GET /metrics failed")
+    # A router not read may hold the only request there is.
+    assert samples.total_held({"r0": 0.0, "r1": broken}) == broken
+    assert samples.total_held({}) == samples.Problem(samples.MISSING, "no router is ready to be read")
+
+
+def test_prometheus_held_counts_need_every_router() -> None:
+    query = samples.held_query("ml", ["qwen-router-a", "qwen-router-b"])
+    assert query == ('max by (pod) (kvpilot:router_requests_held{namespace="ml",'
+                     'pod=~"qwen\\\\-router\\\\-a|qwen\\\\-router\\\\-b"})')
+    assert samples.held_from_vector(["a", "b"], {"a": 1.0, "b": 2.0}) == 3
+    missing = samples.held_from_vector(["a", "b"], {"a": 1.0})
+    assert isinstance(missing, samples.Problem) and missing.reason == samples.MISSING and "b" in missing.message

@@ -16,7 +16,7 @@ import yaml
 
 from crd_validation import REPO
 from helm_cli import CHART, Helm
-from kvpilot.operator import render
+from kvpilot.operator import pod_parts
 from kvpilot.runtime import cli
 from packaging_support import FULL_NAMESPACE, FULL_VALUES, dockerfile_stage, validate
 
@@ -143,7 +143,7 @@ def test_liveness_probe_asks_the_operators_liveness_endpoint(
 def test_runs_as_the_images_non_root_user_with_a_read_only_root(default: list[Manifest]) -> None:
     pod = the(default, "Deployment")["spec"]["template"]["spec"]["securityContext"]
     assert pod["runAsNonRoot"] is True
-    assert pod["runAsUser"] == pod["runAsGroup"] == render.RUN_AS_ID == int(dockerfile_stage("operator")["USER"])
+    assert pod["runAsUser"] == pod["runAsGroup"] == pod_parts.RUN_AS_ID == int(dockerfile_stage("operator")["USER"])
     security = container(default)["securityContext"]
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from crd_validation import REPO
-from kvpilot.operator import render
+from kvpilot.operator import pod_parts
 from packaging_support import dockerfile_stage
 
 
@@ -34,4 +34,4 @@ def test_hadolint_passes() -> None:
 
 @pytest.mark.parametrize("target", ["runtime", "operator"])
 def test_images_run_as_the_pods_user(target: str) -> None:
-    assert dockerfile_stage(target)["USER"] == str(render.RUN_AS_ID)
+    assert dockerfile_stage(target)["USER"] == str(pod_parts.RUN_AS_ID)

@@ -70,20 +70,23 @@ def test_the_operator_writes_valid_objects_for_every_example(path: Path, tmp_pat
             for engine in engines(documents):
                 await k.create_engine(engine["metadata"]["name"], engine["spec"])
             for engine in engines(documents):
-                name = engine["metadata"]["name"]
-                # The operator applies the PodDisruptionBudget after every other child.
-                await eventually(lambda name=name: k.object(CHILDREN["PodDisruptionBudget"], name), f"{name}'s children")
+                # The operator applies the (routers') PodDisruptionBudget after every other child.
+                last = naming.router_name(engine["metadata"]["name"])
+                await eventually(lambda last=last: k.object(CHILDREN["PodDisruptionBudget"], last), f"{last}'s children")
             return written_by_the_operator(k)
 
     written = run(scenario())
     for engine in engines(documents):
         name = engine["metadata"]["name"]
         mine = {(obj["kind"], obj["metadata"]["name"]): obj for obj in written if naming.owner_name(obj) == name}
+        router = naming.router_name(name)
         assert sorted(mine) == [
             ("ConfigMap", f"{name}-config"), ("ConfigMap", f"{name}-scheduling"), ("Deployment", name),
-            ("PodDisruptionBudget", name), ("Secret", f"{name}-admin-token"), ("Secret", f"{name}-tenant-keys"),
-            ("Service", name),
-        ]
+            ("Deployment", router), ("PodDisruptionBudget", name), ("PodDisruptionBudget", router),
+            ("Role", router), ("RoleBinding", router), ("Secret", f"{name}-admin-token"),
+            ("Secret", f"{name}-cache-salt"), ("Secret", f"{name}-tenant-keys"), ("Service", name),
+            ("Service", f"{name}-engines"), ("ServiceAccount", router),
+        ], "every example runs with its routers (the default)"
         keyed = {t["name"] for t in engine["spec"].get("scheduling", {}).get("tenants", []) if "apiKeySecretRef" in t}
         assert set(mine["Secret", f"{name}-tenant-keys"].get("data", {})) == keyed, "every tenant's key was found in its Secret"
     for obj in written:
