@@ -112,6 +112,9 @@ def router_args(engine: Mapping[str, Any]) -> list[str]:
         "--bounded-load-factor", str(routing["boundedLoadFactor"]),
         "--hold-timeout", str(routing["holdTimeoutSeconds"]),
         "--tenants-file", pod_parts.TENANTS_FILE,
+        # The engine's Service leads to the routers: its EndpointSlices are the fleet's routers,
+        # among which each tenant's limit is shared out (this router is http://$POD_IP:port).
+        "--kubernetes-peers-service", engine["metadata"]["name"],
         "--cache-salt-secret-file", f"{pod_parts.CACHE_SALT_DIR}/{pod_parts.CACHE_SALT_KEY}",
         # A stream passes through the router: it drains as long as the engines do.
         "--shutdown-timeout", str(spec["engine"]["shutdownTimeoutSeconds"]),
@@ -136,6 +139,8 @@ def _pod_template(engine: Mapping[str, Any]) -> Manifest:
         "router", spec["image"], ["kvpilot", "router"], router_args(engine),
         ports=[{"name": "http", "containerPort": pod_parts.CONTAINER_PORT, "protocol": "TCP"}],
         resources=copy.deepcopy(spec["routing"].get("resources", {})), mounts=mounts)
+    # The router's own address among its peers' (--kubernetes-peers-service).
+    container["env"].append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     pod_spec: Manifest = {
         "serviceAccountName": naming.router_name(name),
         "enableServiceLinks": False,

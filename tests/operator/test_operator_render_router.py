@@ -107,9 +107,11 @@ def test_router_deployment_is_active_active_from_the_routing_spec() -> None:
         "--bounded-load-factor", "1.5",
         "--hold-timeout", "300",
         "--tenants-file", "/etc/kvpilot/tenants.yaml",
+        "--kubernetes-peers-service", "llama",
         "--cache-salt-secret-file", "/var/run/kvpilot/cache-salt/salt",
         "--shutdown-timeout", "30",
     ]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert container["resources"] == {"limits": {"cpu": "2", "memory": "4Gi"}}
     assert "nvidia.com/gpu" not in json.dumps(container)
 
