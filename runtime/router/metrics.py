@@ -56,8 +56,14 @@ class _FleetCollector(Collector):
         ready = GaugeMetricFamily("kvpilot:router_replica_ready", "1 while the replica takes requests", labels=["replica"])
         synced = GaugeMetricFamily("kvpilot:router_kv_events_synced",
                                    "1 while the replica's KV-cache index is in step with its events", labels=["replica"])
+        engine_hits = GaugeMetricFamily(
+            "kvpilot:router_engine_prefix_cache_hits",
+            "the replica's own vllm:prefix_cache_hits_total (tokens) at the router's last reading, beside "
+            "kvpilot:router_prefix_hit_blocks_predicted_total", labels=["replica"])
         for replica in self.fleet.replicas.values():
             in_flight.add_metric([replica.url], replica.in_flight)
             ready.add_metric([replica.url], int(replica.ready))
             synced.add_metric([replica.url], int(replica.block_size is not None))
-        return [in_flight, ready, synced]
+            if replica.load is not None and replica.load.prefix_cache_hits is not None:
+                engine_hits.add_metric([replica.url], replica.load.prefix_cache_hits)
+        return [in_flight, ready, synced, engine_hits]

@@ -76,6 +76,11 @@ def test_multi_turn_conversations_are_answered_as_by_one_engine_with_its_prefix_
     assert routed_hits >= 0.9 * one_engine_hits, (routed_hits, one_engine_hits)
     # Round-robin finds a conversation's blocks about a third of the time.
     assert rotated_hits <= 0.6 * one_engine_hits, (rotated_hits, one_engine_hits)
+    # The routers predicted hits, and show each replica's own count beside their predictions.
+    assert sum(router.metric("kvpilot:router_prefix_hit_blocks_predicted_total") for router in routers) > 0
+    for replica in replicas:
+        wait_until(lambda: routers[0].metric("kvpilot:router_engine_prefix_cache_hits", replica=replica.base_url)
+                   == replica.metric(HITS), timeout=10, what="the router's reading of a replica's hits")
     print(f"prefix hits (tokens): one engine {one_engine_hits:.0f}, prefix-aware {routed_hits:.0f}, "
           f"round-robin {rotated_hits:.0f}")
 
