@@ -23,8 +23,6 @@ METRICS = (KV_CACHE_USAGE, NUM_WAITING, NUM_RUNNING)
 # A counter (summed over finished_reason), read where a pod exports it: two readings of it give
 # the pod's completion rate, which the autoscaler drains a backlog by.
 REQUESTS_FINISHED = "vllm:request_success_total"
-# A counter (tokens), read where a pod exports it: the router shows it beside the hits it predicted.
-PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 # A router's gauge (with routing): the requests it holds because no replica is ready to take them.
 REQUESTS_HELD = "kvpilot:router_requests_held"
 
@@ -43,7 +41,6 @@ class PodSample:
     num_running: float
     observed_at: float  # seconds since the epoch: when the pod's gauges were last read
     num_finished: float | None = None  # REQUESTS_FINISHED; None where the pod does not export it
-    prefix_cache_hits: float | None = None  # PREFIX_CACHE_HITS, likewise
 
 
 @dataclass(frozen=True)
@@ -68,22 +65,32 @@ def checked(pod: str, values: Mapping[str, float], observed_at: float) -> PodSam
     missing = [name for name in METRICS if name not in values]
     if missing:
         return Problem(MISSING, f"pod {pod} reports no {', '.join(missing)}")
-    for name in (*METRICS, REQUESTS_FINISHED, PREFIX_CACHE_HITS):
+    for name in (*METRICS, REQUESTS_FINISHED):
         value = values.get(name, 0.0)
         if not math.isfinite(value) or value < 0 or (name == KV_CACHE_USAGE and value > 1):
             return Problem(INVALID, f"pod {pod} reports {name} = {value}")
     return PodSample(pod, values[KV_CACHE_USAGE], values[NUM_WAITING], values[NUM_RUNNING], observed_at,
-                     values.get(REQUESTS_FINISHED), values.get(PREFIX_CACHE_HITS))
+                     values.get(REQUESTS_FINISHED))
 
 
 def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
     """A pod's /metrics page (Prometheus text format) -> its sample. Series of one metric (one per
     model name, or finish reason) are summed."""
     try:
-        values = _summed(text, _WANTED_FAMILIES, (*METRICS, REQUESTS_FINISHED, PREFIX_CACHE_HITS))
+        values = _summed(text, _WANTED_FAMILIES, (*METRICS, REQUESTS_FINISHED))
     except _NOT_TEXT_FORMAT as error:
         return Problem(INVALID, f"pod {pod}: /metrics is not Prometheus text ({error})")
     return checked(pod, values, observed_at)
+
+
+def counter_from_page(text: str, name: str) -> float | None:
+    """A counter's value on a /metrics page, summed over its series; None where the page has none
+    of it or is not Prometheus text (the router shows the replicas' prefix-cache hits with this)."""
+    try:
+        value = _summed(text, (name.removesuffix("_total"),), (name,)).get(name)
+    except _NOT_TEXT_FORMAT:
+        return None
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
 
 
 def held_from_page(pod: str, text: str) -> float | Problem:
@@ -132,7 +139,7 @@ def _summed(text: str, families: tuple[str, ...], names: tuple[str, ...]) -> dic
 # The families a sample is made of (a counter's family name has no _total). The parser would take
 # some 5 ms of CPU for an engine's whole page, most of it histogram buckets, per pod and interval:
 # a fleet's worth of that on the loop delays the reads that time out meanwhile.
-_WANTED_FAMILIES = (*METRICS, *(counter.removesuffix("_total") for counter in (REQUESTS_FINISHED, PREFIX_CACHE_HITS)))
+_WANTED_FAMILIES = (*METRICS, REQUESTS_FINISHED.removesuffix("_total"))
 # What a line of the text format starts with: a metric name and its labels or value, a comment, or
 # nothing. An HTML error page starts otherwise.
 _TEXT_FORMAT_LINE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ \t]|#|\s*$")

@@ -64,6 +64,6 @@ class _FleetCollector(Collector):
             in_flight.add_metric([replica.url], replica.in_flight)
             ready.add_metric([replica.url], int(replica.ready))
             synced.add_metric([replica.url], int(replica.block_size is not None))
-            if replica.load is not None and replica.load.prefix_cache_hits is not None:
-                engine_hits.add_metric([replica.url], replica.load.prefix_cache_hits)
+            if replica.prefix_cache_hits is not None:
+                engine_hits.add_metric([replica.url], replica.prefix_cache_hits)
         return [in_flight, ready, synced, engine_hits]

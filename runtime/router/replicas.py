@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvpilot.operator.samples import PodSample, Problem, from_page
+from kvpilot.operator.samples import PodSample, Problem, counter_from_page, from_page
 from kvpilot.runtime.router.backends import Endpoint
 from kvpilot.runtime.router.kv_index import ReplicaKVIndex
 from kvpilot.runtime.router.picking import ReplicaState
@@ -27,6 +27,7 @@ from kvpilot.runtime.router.picking import ReplicaState
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # A reading of the engine's load older than this says nothing about it any more.
 LOAD_STALE_AFTER_S = 5.0
@@ -40,6 +41,8 @@ class Replica:
         self.healthy = False
         self.load: PodSample | None = None
         self.kv_index: ReplicaKVIndex | None = None
+        # The engine's own vllm:prefix_cache_hits_total (tokens) at the last reading.
+        self.prefix_cache_hits: float | None = None
         # Requests this router sent here that have not finished.
         self.in_flight = 0
         self._problem: str | None = None
@@ -148,6 +151,7 @@ class Fleet:
             if status == 200:
                 sample = from_page(replica.url, page, time.time())
                 replica.load = sample if isinstance(sample, PodSample) else None
+                replica.prefix_cache_hits = counter_from_page(page, PREFIX_CACHE_HITS)
                 if isinstance(sample, Problem):
                     return True, f"load unknown: {sample.message}"
             if self.kv_events and replica.kv_index is None:

@@ -155,3 +155,11 @@ def test_prometheus_held_counts_need_every_router() -> None:
     assert samples.held_from_vector(["a", "b"], {"a": 1.0, "b": 2.0}) == 3
     missing = samples.held_from_vector(["a", "b"], {"a": 1.0})
     assert isinstance(missing, samples.Problem) and missing.reason == samples.MISSING and "b" in missing.message
+
+
+def test_a_counter_is_read_from_a_page_where_it_is_and_none_elsewhere() -> None:
+    page = engine_page(0.25, 3, 7).replace('vllm:prefix_cache_hits_total{model_name="tiny"} 0.0',
+                                           'vllm:prefix_cache_hits_total{model_name="tiny"} 96.0')
+    assert samples.counter_from_page(page, "vllm:prefix_cache_hits_total") == 96
+    assert samples.counter_from_page(page, "vllm:nothing_total") is None
+    assert samples.counter_from_page("<html>busy</html>", "vllm:prefix_cache_hits_total") is None
