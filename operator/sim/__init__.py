@@ -5,6 +5,7 @@ driving a discrete-event model of one InferenceEngine's replicas over a trace.
 - profile.py: a replica's step cost and KV pool (roofline defaults, JSON profiles)
 - replica.py: one engine replica, at the level of its scheduler steps (pure); cache.py: its prefix cache
 - routing.py: `kvpilot router` in front of the replicas (its own picking function)
+- hold.py: the router's hold, for requests that arrive while no replica is ready (scale to zero)
 - strategies.py: how replicas and the scheduling policy are chosen each interval; kvpilot's
   calls autoscaler.decide and tuner.decide_policy, the baselines beside it
 - fleet.py: the event loop (arrivals, steps, control intervals, start-up delays)

@@ -102,14 +102,18 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     control = sim.add_argument_group("control (spec.autoscaling, spec.scheduling)")
     control.add_argument("--strategies", type=_strategy_list, metavar="S1,S2,...",
                          help="from static-peak, static-mean, queue-only, kv-only, kvpilot, each also with +auto "
-                              "(the policy tuner on); default: all ten")
-    control.add_argument("--min-replicas", type=positive_int, default=1)
+                              "(the policy tuner on); the autoscaled three also with +zero (minReplicas 0: scale "
+                              "to zero, which needs a router), as in kvpilot+zero or kvpilot+zero+auto; "
+                              "default: the ten without +zero")
+    control.add_argument("--min-replicas", type=positive_int, default=1, help="of the strategies without +zero")
     control.add_argument("--max-replicas", type=positive_int, default=100)
     control.add_argument("--target-kv-cache-usage", type=_fraction, default=0.8)
     control.add_argument("--target-queue-depth", type=positive_float, default=5.0)
     control.add_argument("--interval-seconds", type=positive_float, default=15.0)
     control.add_argument("--scale-up-stabilization-seconds", type=non_negative_float, default=0.0)
     control.add_argument("--scale-down-stabilization-seconds", type=non_negative_float, default=300.0)
+    control.add_argument("--scale-to-zero-after-seconds", type=non_negative_float, default=300.0,
+                         help="+zero: how long the engine stays idle before it goes to 0 replicas")
     control.add_argument("--calm-window-seconds", type=non_negative_float, default=300.0)
 
     route = sim.add_argument_group("routing")
@@ -119,6 +123,9 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     route.add_argument("--router-counts", choices=("interval", "fresh"), default="interval",
                        help="the engines' running and waiting counts the router reads: as of the last control "
                             "interval (a scrape each interval, as the operator's), or as of each request")
+    route.add_argument("--hold-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
+                       help="routing.holdTimeoutSeconds: how long a router holds a request while no replica is "
+                            "ready (then it fails); with +zero, longer than --startup-seconds plus an interval")
 
     out = sim.add_argument_group("output")
     out.add_argument("--ttft-slo", type=positive_float, default=1.0, metavar="SECONDS",
@@ -179,25 +186,27 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     priorities = [-crd_priorities.get(name, 0) for name in loaded.tenants]
     if args.min_replicas > args.max_replicas:
         parser.error("argument --min-replicas: must not exceed --max-replicas")
+    if "service" in args.routing and any(strategies.TO_ZERO in name for name in args.strategies or ()):
+        parser.error("argument --strategies: +zero needs a router (--routing), as minReplicas 0 does in the CRD")
 
     engine = fleet.Engine(args.max_num_seqs, args.max_num_batched_tokens, args.request_timeout, args.startup_seconds)
     settings = strategies.Settings(
         args.min_replicas, args.max_replicas, args.target_kv_cache_usage, args.target_queue_depth,
         args.interval_seconds, args.scale_up_stabilization_seconds, args.scale_down_stabilization_seconds,
-        args.calm_window_seconds)
+        scale_to_zero_after_seconds=args.scale_to_zero_after_seconds, calm_window_seconds=args.calm_window_seconds)
     sizes = fleet.sizes(loaded, chosen, engine, args.target_kv_cache_usage)
     show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(loaded) > 1_000_000)
     print(f"{len(loaded)} requests over {loaded.duration:.0f} s ({loaded.mean_rate():.3g}/s mean,"
           f" {loaded.peak_rate():.3g}/s peak); profile {chosen.name}; one replica sustains about"
           f" {sizes.capacity:.3g} requests/s: static-peak {sizes.peak}, static-mean {sizes.mean} replicas")
     summaries, all_series = [], {}
-    for name in args.strategies or strategies.NAMES:
+    for name in args.strategies or strategies.DEFAULTS:
         for routing in args.routing:
             label = name if len(args.routing) == 1 else f"{name} {routing}"
             loop = strategies.build(name, settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean)
             run = fleet.simulate(loaded, loop, chosen, engine, priorities=priorities, seed=args.seed,
                                  progress=_progress_bar(label, len(loaded)) if show else None, routing_name=routing,
-                                 fresh_counts=args.router_counts == "fresh")
+                                 fresh_counts=args.router_counts == "fresh", hold_timeout_seconds=args.hold_timeout)
             summaries.append(report.summary(run, args.ttft_slo))
             all_series[label] = report.series(run)
     print(report.table(summaries))

@@ -17,11 +17,12 @@ heap of every replica's step events):
 
 Kubernetes is modelled as far as the control loop sees it: a Service spreads requests uniformly
 at random over the ready replicas (none ready: the request is dropped), or `kvpilot router`
-places them (routing.py). The router reads the replicas' states as each request arrives, so
-then the replicas are played in time order up to each arrival, and only the Service's stretches
-are routed in arrays as above. A new replica is ready
-`startup_seconds` after spec.replicas asks for it (image pull and weight load; it costs from the
-start); a scale-down removes starting replicas first, then the newest ready ones, which take no
+places them (routing.py; none ready: it holds them (hold.py) for the first replica to be ready,
+and the control loop passes the autoscaler how many it holds, as the operator passes the
+routers' count). The router reads the replicas' states as each request arrives, so then the
+replicas are played in time order up to each arrival, and only the Service's stretches are
+routed in arrays as above. A new replica is ready `startup_seconds` after spec.replicas asks
+for it (image pull and weight load; it costs from the start; one woken from zero is new); a scale-down removes starting replicas first, then the newest ready ones, which take no
 new requests and finish what they hold before they go (cost runs until then). The metrics a
 replica reports are read directly at each interval (the operator's direct scrape).
 """
@@ -42,13 +43,14 @@ from typing import NamedTuple
 import numpy as np
 
 from kvpilot.operator import samples
+from kvpilot.operator.sim import hold, routing
 from kvpilot.operator.sim import replica as replica_model
-from kvpilot.operator.sim import routing
 from kvpilot.operator.sim.profile import Profile
 from kvpilot.operator.sim.strategies import ControlLoop
 from kvpilot.operator.sim.trace import Trace
 
-PENDING, SERVED, DROPPED, TIMED_OUT = 0, 1, 2, 3
+# HOLD_TIMED_OUT: held by the router while no replica was ready, past its hold timeout.
+PENDING, SERVED, DROPPED, TIMED_OUT, HOLD_TIMED_OUT = 0, 1, 2, 3, 4
 _STARTING, _RUNNING, _DRAINING, _GONE = 0, 1, 2, 3
 _END = sys.float_info.max  # after the last control event: every replica with work runs until idle
 
@@ -89,8 +91,11 @@ class Run:
     finish: np.ndarray
     outcome: np.ndarray
     series: Series
+    # Which requests arrived while no replica was ready, and waited in the router's hold.
+    held: np.ndarray
     replica_seconds: float = 0.0
     scale_events: int = 0
+    wakes: int = 0  # scale-ups from 0 replicas
     preemptions: int = 0
     events: int = 0
     wall_seconds: float = 0.0
@@ -168,14 +173,17 @@ def sizes(trace: Trace, profile: Profile, engine: Engine, kv_cache_usage: float)
 def simulate(trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine, *,
              priorities: Sequence[int] = (), seed: int = 0, check_invariants: bool = False,
              progress: Callable[[int], None] | None = None, routing_name: str = routing.SERVICE,
-             fresh_counts: bool = False) -> Run:
+             fresh_counts: bool = False, hold_timeout_seconds: float = 60.0) -> Run:
     """Run `loop` over `trace`, its requests placed by `routing_name` (one of routing.NAMES; a
-    router reads the engines' counts at each control interval, or at each request with `fresh_counts`).
+    router reads the engines' counts at each control interval, or at each request with `fresh_counts`,
+    and holds a request up to `hold_timeout_seconds` while no replica is ready).
     `priorities[t]` is tenant t's engine priority (lower first; 0 when not given). With
     `check_invariants`, every interval checks the KV pools and the ledger."""
     router = None if routing_name == routing.SERVICE else routing.Router(routing.RoutingStrategy(routing_name),
                                                                          fresh_counts=fresh_counts)
-    simulation = _Simulation(trace, loop, profile, engine, priorities, seed, check_invariants, progress, router)
+    router_hold = None if router is None else hold.Hold(hold_timeout_seconds)
+    simulation = _Simulation(trace, loop, profile, engine, priorities, seed, check_invariants, progress, router,
+                             router_hold)
     # The run makes no reference cycles, and holds hundreds of thousands of live requests and
     # heap entries, which the cyclic collector would walk again and again: a fifth of the run.
     collecting = gc.isenabled()
@@ -192,7 +200,8 @@ class _Simulation:
 
     def __init__(self, trace: Trace, loop: ControlLoop, profile: Profile, engine: Engine,
                  priorities: Sequence[int], seed: int, check_invariants: bool,
-                 progress: Callable[[int], None] | None, router: routing.Router | None) -> None:
+                 progress: Callable[[int], None] | None, router: routing.Router | None,
+                 router_hold: hold.Hold | None) -> None:
         count = len(trace)
         self.trace = trace
         self.loop = loop
@@ -205,7 +214,7 @@ class _Simulation:
         self.progress = progress
         self.ledger = _Ledger(count)
         self.result = Run(loop.name, trace, np.frombuffer(self.ledger.first), np.frombuffer(self.ledger.finish),
-                          np.frombuffer(self.ledger.outcome, np.int8), Series(),
+                          np.frombuffer(self.ledger.outcome, np.int8), Series(), np.zeros(count, bool),
                           routing=routing.SERVICE if router is None else router.strategy.value)
         self.readies: list[tuple[float, int]] = []  # heap of (when, replica) start-ups under way
         self.replicas: list[replica_model.Replica] = []
@@ -222,6 +231,7 @@ class _Simulation:
         self.reaches = trace.time + profile.frontend_s if profile.frontend_s else trace.time
         self.steps = 0  # replica step (or decode run) ends handled, for the events count
         self.router = router
+        self.hold = router_hold
         self.conversation = np.zeros(count, np.int64) if trace.conversation is None else trace.conversation
         self.shared_blocks = trace.shared_tokens // profile.block_size
 
@@ -246,12 +256,16 @@ class _Simulation:
                 controls += 1
                 if self.state[rid] == _STARTING:
                     self._ready(rid)
+                    if self.hold:
+                        self._release(rid, upcoming)
             if tick == upcoming:
                 controls += 1
                 self._tick(tick)
                 tick += self.loop.spec["autoscaling"]["intervalSeconds"]
                 if tick >= trace.duration:
                     tick = None
+        if self.hold is not None:
+            self._expire_held(math.inf)  # no replica came for them
         if self.check:
             self._check_ledger()
         born, died = np.minimum(self.born, trace.duration), np.minimum(self.died, trace.duration)
@@ -299,16 +313,47 @@ class _Simulation:
         before = math.nextafter(now, -math.inf)
         for rid in np.flatnonzero(self.due <= before).tolist():
             self._play(rid, (), before)
-        trace = self.trace
-        prompt, output = int(trace.prompt[index]), int(trace.output[index])
-        if not self.ready or not self.replicas[self.ready[0]].fits(prompt, output):
-            self.result.outcome[index] = DROPPED
-            self.result.finish[index] = trace.time[index]
+        if not self.ready:
+            self.hold.add(index, now)
+            self.result.held[index] = True
             return
-        request = replica_model.Request(index, now, prompt, output, int(self.priorities[trace.tenant[index]]),
-                                        int(self.conversation[index]), self.shared_blocks)
+        request = self._request(index, now)
+        if not self.replicas[self.ready[0]].fits(request.prompt, request.output):
+            self._drop(index)
+            return
         self.ledger.in_system += 1
         self._play(self.router.pick(request, self.replicas, self.ready), (request,), before)
+
+    def _release(self, rid: int, now: float) -> None:
+        """The held requests still waiting go to `rid`, the first replica ready since none was;
+        a client's request timeout still counts from its arrival."""
+        self._expire_held(now)
+        replica = self.replicas[rid]
+        for index in self.hold.release():
+            request = self._request(index, float(self.reaches[index]))
+            if not replica.fits(request.prompt, request.output):
+                self._drop(index)
+                continue
+            self.ledger.in_system += 1
+            self.router.pick(request, self.replicas, (rid,))  # its bookkeeping, as for any request it places
+            replica.add(request, now)
+        self.due[rid] = replica.due
+        self.router.ran(rid)
+
+    def _expire_held(self, now: float) -> None:
+        for index, when in self.hold.expire(now):
+            self.result.outcome[index] = HOLD_TIMED_OUT
+            self.result.finish[index] = when
+
+    def _request(self, index: int, arrival: float) -> replica_model.Request:
+        trace = self.trace
+        return replica_model.Request(index, arrival, int(trace.prompt[index]), int(trace.output[index]),
+                                     int(self.priorities[trace.tenant[index]]), int(self.conversation[index]),
+                                     self.shared_blocks)
+
+    def _drop(self, index: int) -> None:
+        self.result.outcome[index] = DROPPED
+        self.result.finish[index] = self.trace.time[index]
 
     def _route(self, low: int, high: int) -> dict[int, list[replica_model.Request]]:
         """Arrivals low..high-1 spread uniformly over the ready replicas, each given its own, in
@@ -384,8 +429,12 @@ class _Simulation:
         series.waiting.append(waiting + sum(replicas[rid].num_waiting for rid in self.draining))
         series.in_system.append(self.ledger.in_system)
         series.kv_cache_usage.append(kv_total / len(ready) if ready else 0.0)
+        held = None
+        if self.hold is not None:
+            self._expire_held(now)
+            held = float(len(self.hold))
         before = loop.replicas
-        target, policy = loop.decide(names, len(self.starting), samples.Reading(pods), now)
+        target, policy = loop.decide(names, len(self.starting), samples.Reading(pods), now, held)
         series.desired.append(target)
         series.priority.append(policy == replica_model.PRIORITY)
         if policy != self.policy:
@@ -395,6 +444,8 @@ class _Simulation:
                 self._nudge(rid, now)
         if target != before:
             self.result.scale_events += 1
+        if before == 0 and target > 0:
+            self.result.wakes += 1
         self._scale(target, now)
 
     def _nudge(self, rid: int, now: float) -> None:

@@ -1,5 +1,6 @@
 """A run's figures: cost, latency, SLO attainment, what was lost, how often it scaled, and how
-much of the prompts the replicas' prefix caches held."""
+much of the prompts the replicas' prefix caches held; with scale to zero, how often it woke and
+how long the requests that arrived at zero waited for their first token."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpilot.operator.sim.fleet import DROPPED, SERVED, TIMED_OUT, Run
+from kvpilot.operator.sim.fleet import DROPPED, HOLD_TIMED_OUT, SERVED, TIMED_OUT, Run
 from kvpilot.operator.sim.routing import SERVICE
 
 
@@ -29,6 +30,7 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
         name: _percentile(ttft[started & (trace.tenant == code)], 99) for code, name in enumerate(trace.tenants)
     }
     duration = trace.duration
+    held_ttft = ttft[started & run.held]
     return {
         "strategy": run.strategy,
         "routing": run.routing,
@@ -43,6 +45,12 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
         "ttft_slo_s": ttft_slo,
         "slo_attainment": within / len(trace) if len(trace) else math.nan,
         "scale_events": run.scale_events,
+        "wakes": run.wakes,
+        "held": int(run.held.sum()),
+        "hold_timeouts": int((run.outcome == HOLD_TIMED_OUT).sum()),
+        "held_ttft_p50_s": _percentile(held_ttft, 50),
+        "held_ttft_p99_s": _percentile(held_ttft, 99),
+        "held_ttft_max_s": float(held_ttft.max()) if len(held_ttft) else None,
         "max_replicas": max(r + s for r, s in zip(run.series.ready, run.series.starting)) if run.series.time else 0,
         "preemptions": run.preemptions,
         # Of the prompt tokens admitted (prefills recomputed after a preemption included).
@@ -71,10 +79,13 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
     to share)."""
     tenants = sorted({name for s in summaries for name in s["ttft_p99_s_by_tenant"]})
     routed = any(s["routing"] != SERVICE or s["prefix_hit_rate"] is not None for s in summaries)
+    woke = any(s["wakes"] or s["held"] for s in summaries)
     header = ["strategy", *(["routing", "prefix hits"] if routed else []), "replica-h", "TTFT p50 s", "TTFT p99 s",
               "e2e p99 s", "SLO", "dropped", "timed out", "scale events", "max replicas"]
     if len(tenants) > 1:
         header += [f"TTFT p99 s {name}" for name in tenants]
+    if woke:
+        header += ["wakes", "held", "hold timeouts", "held TTFT p50 s", "held TTFT p99 s", "held TTFT max s"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
         hits = "-" if s["prefix_hit_rate"] is None else f"{100 * s['prefix_hit_rate']:.1f} %"
@@ -84,6 +95,9 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
                  str(s["scale_events"]), str(s["max_replicas"])]
         if len(tenants) > 1:
             cells += [_cell(s["ttft_p99_s_by_tenant"].get(name)) for name in tenants]
+        if woke:
+            cells += [str(s["wakes"]), str(s["held"]), str(s["hold_timeouts"]), _cell(s["held_ttft_p50_s"]),
+                      _cell(s["held_ttft_p99_s"]), _cell(s["held_ttft_max_s"])]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -12,7 +12,10 @@ only in the spec they carry:
   read as a rate; decide()'s queue term drains it over a horizon instead.)
 - `kv-only`: the queue term switched off;
 - `static-peak`, `static-mean`: autoscaling off, a fixed count;
-and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`).
+and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`). The
+autoscaled ones also come with `+zero` (before any `+auto`): `minReplicas: 0`, scaling to zero
+after `scaleToZeroAfterSeconds` idle; the CRD allows it only with routing, which holds the
+requests that arrive at zero.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from typing import Any
 from kvpilot.operator import autoscaler, samples, tuner
 
 BASES = ("static-peak", "static-mean", "queue-only", "kv-only", "kvpilot")
+AUTOSCALED = ("queue-only", "kv-only", "kvpilot")
 TUNED = "+auto"
-NAMES = tuple(name + suffix for name in BASES for suffix in ("", TUNED))
+TO_ZERO = "+zero"
+DEFAULTS = tuple(name + suffix for name in BASES for suffix in ("", TUNED))
+NAMES = (*DEFAULTS, *(name + TO_ZERO + suffix for name in AUTOSCALED for suffix in ("", TUNED)))
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,15 @@ class ControlLoop:
     def autoscaled(self) -> bool:
         return bool(self.spec["autoscaling"]["enabled"])
 
-    def decide(self, ready: list[str], starting: int, reading: samples.Reading, now: float) -> tuple[int, str]:
-        """One interval: (spec.replicas, the effective scheduling policy)."""
+    def decide(self, ready: list[str], starting: int, reading: samples.Reading, now: float,
+               held: float | None = None) -> tuple[int, str]:
+        """One interval: (spec.replicas, the effective scheduling policy). `held` is what the
+        routers hold (None: no router), as control.py reads it."""
         spec = self.spec
         replicas = spec["replicas"]
         if self.autoscaled:
             decision = autoscaler.decide(autoscaler.Policy.from_spec(spec["autoscaling"]), replicas, ready, starting,
-                                         reading, self.history, now, self.memory)
+                                         reading, self.history, now, self.memory, held=held)
             self.history = decision.history
             self.memory = decision.memory
             replicas = decision.replicas
@@ -87,9 +95,10 @@ class ControlLoop:
 def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) -> ControlLoop:
     """The strategy called `name` (one of NAMES); `peak` and `mean` are the static counts, and
     the autoscaled ones start from `initial` replicas."""
-    base, tuned = (name[: -len(TUNED)], True) if name.endswith(TUNED) else (name, False)
-    if base not in BASES:
+    if name not in NAMES:
         raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}")
+    base, tuned = name.removesuffix(TUNED), name.endswith(TUNED)
+    base, to_zero = base.removesuffix(TO_ZERO), base.endswith(TO_ZERO)
     kv, queue = settings.target_kv_cache_usage, settings.target_queue_depth
     if base == "queue-only":
         kv = math.inf
@@ -100,7 +109,7 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) 
         "replicas": static if static is not None else min(settings.max_replicas, max(settings.min_replicas, initial)),
         "autoscaling": {
             "enabled": static is None,
-            "minReplicas": settings.min_replicas,
+            "minReplicas": 0 if to_zero else settings.min_replicas,
             "maxReplicas": settings.max_replicas,
             "targetKVCacheUsage": kv,
             "targetQueueDepth": queue,

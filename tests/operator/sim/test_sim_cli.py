@@ -68,6 +68,7 @@ def test_a_trace_file_is_read_in_either_format(tmp_path, capsys):
     (["--rate", "inf"], "argument --rate: must be finite"),
     (["--routing", "sticky"], "unknown routing sticky"),
     (["--system-tokens", "-1"], "must be a non-negative integer"),
+    (["--strategies", "kvpilot+zero"], "+zero needs a router"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit:
