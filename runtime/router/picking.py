@@ -8,7 +8,10 @@ in flight and has not yet seen in an engine's own counts.
 prefix-aware (the default) is consistent hashing with bounded loads, where the engines' KV-cache
 events say who holds what:
 - A replica whose load is above `bounded_load_factor` times the fleet's mean (counting the request
-  being placed) is put last: one hot prefix cannot herd the fleet onto one replica.
+  being placed), and more than BOUNDED_LOAD_SLACK requests above the lightest replica's, is put
+  last: one hot prefix cannot herd the fleet onto one replica. The slack is for light loads, where
+  the factor alone would call 2 running requests beside idle replicas an overload, though an
+  engine steps a batch of 2 as fast as one of 1.
 - Among the rest, the most leading blocks of the prompt held wins; then the lighter load.
 - Ties, and replicas that publish no events, fall to rendezvous hashing on the request's affinity
   key (its first block), so a conversation keeps its replica even where nothing is known of
@@ -34,6 +37,7 @@ class RoutingStrategy(enum.StrEnum):
 # steps nearly as fast, while a miss costs the prompt's whole prefill. At 1.25, six conversations
 # over three replicas lost a fifth of their prefix hits to the bound (tests/runtime/router).
 DEFAULT_BOUNDED_LOAD_FACTOR = 2.0
+BOUNDED_LOAD_SLACK = 8
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,13 @@ def rendezvous_weight(affinity_key: bytes, replica: str) -> int:
 
 def over_bound(replicas: Sequence[ReplicaState], factor: float) -> set[str]:
     """The replicas that may take no prefix-sticky request: those the request would take past
-    `factor` x the mean load, the request counted in and rounded up (so an idle fleet bounds nobody)."""
+    `factor` x the mean load (the request counted in, rounded up) and past the lightest replica's
+    load by more than BOUNDED_LOAD_SLACK."""
     if not replicas:
         return set()
     capacity = math.ceil(factor * (sum(r.load for r in replicas) + 1) / len(replicas))
-    return {r.name for r in replicas if r.load + 1 > capacity}
+    lightest = min(r.load for r in replicas)
+    return {r.name for r in replicas if r.load + 1 > max(capacity, lightest + BOUNDED_LOAD_SLACK)}
 
 
 def rank(strategy: RoutingStrategy, replicas: Sequence[ReplicaState], affinity_key: bytes, *,

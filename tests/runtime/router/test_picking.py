@@ -28,6 +28,13 @@ def test_a_replica_above_its_share_gets_no_sticky_request_and_is_tried_last():
     assert names(rank(PREFIX, replicas, b"k"))[-1] == "hot"
 
 
+def test_at_light_load_a_replica_keeps_its_sticky_requests():
+    # Twice the mean, but two requests beside idle replicas is no overload.
+    replicas = [ReplicaState("a", prefix_blocks=5, running=2), ReplicaState("b"), ReplicaState("c")]
+    assert over_bound(replicas, 2.0) == set()
+    assert names(rank(PREFIX, replicas, b"k"))[0] == "a"
+
+
 def test_an_idle_fleet_bounds_nobody():
     assert over_bound([ReplicaState("a"), ReplicaState("b"), ReplicaState("c")], 1.0) == set()
 
