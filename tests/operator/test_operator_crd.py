@@ -108,7 +108,7 @@ def test_design_defaults() -> None:
     }
     assert spec["routing"] == {
         "enabled": True, "replicas": 2, "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
-        "strategy": "prefix-aware", "boundedLoadFactor": 2, "holdTimeoutSeconds": 60,
+        "strategy": "prefix-aware", "boundedLoadFactor": 1.25, "holdTimeoutSeconds": 60,
     }
     assert spec["engine"] == {"blockSize": 16, "enablePrefixCaching": True, "shutdownTimeoutSeconds": 30}
 

@@ -61,7 +61,7 @@ def test_multi_turn_conversations_are_answered_as_by_one_engine_with_its_prefix_
 
     def run(urls, salt):
         before = fleet_hits(replicas)
-        turns = asyncio.run(run_conversations(urls, questions, model="tiny", max_tokens=12, concurrency=6,
+        turns = asyncio.run(run_conversations(urls, questions, model="tiny", max_tokens=12, concurrency=4,
                                               cache_salt=salt))
         return [[t.answer for t in conversation] for conversation in turns], fleet_hits(replicas) - before
 
@@ -74,8 +74,9 @@ def test_multi_turn_conversations_are_answered_as_by_one_engine_with_its_prefix_
     assert one_engine_hits > 0
     # The turns crossed both routers, which placed each conversation alike.
     assert routed_hits >= 0.9 * one_engine_hits, (routed_hits, one_engine_hits)
-    # Round-robin finds a conversation's blocks about a third of the time.
-    assert rotated_hits <= 0.6 * one_engine_hits, (rotated_hits, one_engine_hits)
+    # Round-robin finds a conversation's blocks only where an earlier turn happened to run (a third
+    # of the time for turn 2, more for later turns, partly).
+    assert rotated_hits <= 0.7 * one_engine_hits, (rotated_hits, one_engine_hits)
     # The routers predicted hits, and show each replica's own count beside their predictions.
     assert sum(router.metric("kvpilot:router_prefix_hit_blocks_predicted_total") for router in routers) > 0
     for replica in replicas:
