@@ -14,7 +14,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -25,6 +24,7 @@ from kvpilot.runtime.router.backends import Publish
 from kvpilot.runtime.router.held import HeldRequests
 from kvpilot.runtime.router.metrics import RouterMetrics
 from kvpilot.runtime.router.peers import RouterPeers
+from kvpilot.runtime.router.picking import RoutingStrategy
 from kvpilot.runtime.router.prompts import PromptHasher
 from kvpilot.runtime.router.proxy import Proxy, RouterSettings, Upstream
 from kvpilot.runtime.router.replicas import Fleet, fleet_session
@@ -106,7 +106,9 @@ def build_app(config: RouterConfig, state: ServerState) -> FastAPI:
         body = _parsed(model, raw)
         tenant = request.state.tenant
         fleet: Fleet = parts["fleet"]
-        block_sizes = {r.block_size for r in fleet.ready() if r.block_size is not None}
+        # Only prefix-aware routing reads the block hashes; every strategy breaks ties by the affinity key.
+        prefix_aware = config.settings.strategy is RoutingStrategy.PREFIX_AWARE
+        block_sizes = {r.block_size for r in fleet.ready() if r.block_size is not None} if prefix_aware else ()
         hashes, affinity_key = await hasher.place(body, tenant, block_sizes)
         # A request holds its tenant's sequences here as on an engine: the router's limit is the tenant's.
         request.state.sequences.acquire(body.n * (len(body.prompts) if isinstance(body, CompletionRequest) else 1))
@@ -119,11 +121,8 @@ def build_app(config: RouterConfig, state: ServerState) -> FastAPI:
         if why_not is not None:
             return await proxy.stream(upstream, None, why_not)
         # Token ids come back with each chunk, for a resume; the client gets them only if it asked.
-        splice = StreamSplice(client_wants_token_ids=bool(getattr(body, "return_token_ids", False)))
-        decoded = msgspec.json.decode(raw)
-        decoded["return_token_ids"] = True
-        return await proxy.stream(Upstream("POST", request.url.path, upstream.headers, msgspec.json.encode(decoded),
-                                           hashes, affinity_key, priority), splice, None)
+        splice = StreamSplice(client_wants_token_ids=body.return_token_ids)
+        return await proxy.stream(upstream.with_fields(return_token_ids=True), splice, None)
 
     async def forward(request: Request) -> Response:
         body = await request.body() if request.method == "POST" else None

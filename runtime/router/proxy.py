@@ -61,9 +61,10 @@ class Upstream:
     # The engine's order: lower first.
     priority: int = 0
 
-    def resuming(self, token_ids: list[int]) -> "Upstream":
+    def with_fields(self, **fields) -> "Upstream":
+        """The same request with these JSON body fields set (the request asked for their values or not)."""
         body = msgspec.json.decode(self.body)
-        body.update(resume_token_ids=token_ids, return_token_ids=True)
+        body.update(fields)
         return replace(self, body=msgspec.json.encode(body))
 
 
@@ -137,7 +138,8 @@ class Proxy:
                                               f"cannot resume elsewhere exactly: {why_not}", code="replica_lost")).encode()
                 return
             try:
-                replica, response = await self._open(upstream.resuming(splice.token_ids), self._deadline())
+                replica, response = await self._open(
+                    upstream.with_fields(resume_token_ids=splice.token_ids, return_token_ids=True), self._deadline())
             except APIError as err:
                 yield sse_error(err).encode()
                 return
