@@ -19,6 +19,8 @@ from kvpilot.runtime.server.protocol import ChatCompletionRequest, CompletionReq
 
 DATA = b"data: "
 DONE = b"[DONE]"
+# What ends a server-sent event.
+SEPARATOR = b"\n\n"
 # The error code of the engine's own error event when its EngineCore dies (serving.engine_dead_error).
 ENGINE_DEAD = "engine_dead"
 
@@ -59,12 +61,29 @@ class StreamSplice:
         self._first: dict | None = None
         # True from a resume until the new stream's first token: its opening chunks were sent already.
         self._opening = False
+        # The start of an event whose end has not arrived yet.
+        self._partial = b""
 
     def resumed(self) -> None:
         self._opening = True
+        self._partial = b""
 
-    def relay(self, event: bytes) -> bytes | None:
-        """The event to send the client (None: none); ReplicaLost when it says the engine died."""
+    def feed(self, data: bytes) -> bytes:
+        """What to send the client for the events `data` completes (b"": nothing yet), in one piece:
+        a write per event would cost the server more. ReplicaLost when an event says the engine died."""
+        *events, self._partial = (self._partial + data).split(SEPARATOR)
+        relayed = [event for event in map(self._relay, events) if event is not None]
+        return SEPARATOR.join(relayed) + SEPARATOR if relayed else b""
+
+    def end(self) -> None:
+        """The replica's stream ended: ReplicaLost unless it ended with [DONE]."""
+        if self._partial.strip():
+            raise ReplicaLost("the stream broke off inside an event")
+        if not self.done:
+            raise ReplicaLost("the stream ended before [DONE]")
+
+    def _relay(self, event: bytes) -> bytes | None:
+        """One event (without its blank line) as the client gets it; None: not sent."""
         payload = event[len(DATA):].strip() if event.startswith(DATA) else None
         if payload is None:
             return event
@@ -89,8 +108,7 @@ class StreamSplice:
             if not (chunk.get("usage") or any(c.get("token_ids") or c.get("finish_reason") for c in choices)):
                 return None
             self._opening = False
-        changed = self._rewrite(chunk, choices)
-        return DATA + msgspec.json.encode(chunk) + b"\n\n" if changed else event
+        return DATA + msgspec.json.encode(chunk) if self._rewrite(chunk, choices) else event
 
     def _rewrite(self, chunk: dict, choices: list[dict]) -> bool:
         changed = False

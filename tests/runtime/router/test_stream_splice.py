@@ -50,31 +50,49 @@ def decoded(relayed: bytes) -> dict:
 def test_a_resumed_stream_continues_the_first_under_its_id():
     splice = StreamSplice(client_wants_token_ids=False)
     opening = event(id="a", created=1, choices=[choice(role="assistant")])
-    assert splice.relay(opening) == opening  # nothing to change: passed on as it came
-    assert decoded(splice.relay(event(id="a", created=1, choices=[choice("x", [5])]))) == \
+    assert splice.feed(opening) == opening  # nothing to change: passed on as it came
+    assert decoded(splice.feed(event(id="a", created=1, choices=[choice("x", [5])]))) == \
         {"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
     splice.resumed()
     # The second replica's own opening is not sent again.
-    assert splice.relay(event(id="b", created=2, choices=[choice(role="assistant")])) is None
-    resumed = decoded(splice.relay(event(id="b", created=2, choices=[choice("y", [6], "length")])))
+    assert splice.feed(event(id="b", created=2, choices=[choice(role="assistant")])) == b""
+    resumed = decoded(splice.feed(event(id="b", created=2, choices=[choice("y", [6], "length")])))
     assert (resumed["id"], resumed["created"], resumed["choices"][0]["delta"]) == ("a", 1, {"content": "y"})
     assert splice.token_ids == [5, 6]
     assert not splice.done
-    assert splice.relay(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert splice.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
     assert splice.done
 
 
 def test_token_ids_stay_when_the_client_asked_for_them():
     splice = StreamSplice(client_wants_token_ids=True)
     original = event(id="a", created=1, choices=[choice("x", [5])])
-    assert splice.relay(original) == original
+    assert splice.feed(original) == original
 
 
 def test_the_engines_dead_event_and_garbage_are_a_lost_replica_other_errors_pass():
     splice = StreamSplice(client_wants_token_ids=False)
     with pytest.raises(ReplicaLost, match="not running"):
-        splice.relay(event(error={"message": "the engine is not running", "code": "engine_dead"}))
+        splice.feed(event(error={"message": "the engine is not running", "code": "engine_dead"}))
     with pytest.raises(ReplicaLost, match="not JSON"):
-        splice.relay(b"data: <html>\n\n")
+        splice.feed(b"data: <html>\n\n")
     too_slow = event(error={"message": "too slow", "code": "client_too_slow"})
-    assert splice.relay(too_slow) == too_slow
+    assert splice.feed(too_slow) == too_slow
+
+
+def test_events_split_across_reads_are_relayed_whole_and_together():
+    splice = StreamSplice(client_wants_token_ids=True)
+    first, second = event(id="a", created=1, choices=[choice("x", [5])]), event(id="a", created=1, choices=[choice("y", [6])])
+    assert splice.feed(first[:10]) == b""
+    assert splice.feed(first[10:] + second[:-1]) == first
+    assert splice.feed(second[-1:] + b"data: [DONE]\n\n") == second + b"data: [DONE]\n\n"
+    assert splice.token_ids == [5, 6]
+    splice.end()
+
+
+@pytest.mark.parametrize("tail, reason", [(b"", "before \\[DONE\\]"), (b"data: {\"id\"", "inside an event")])
+def test_a_stream_that_ends_early_is_a_lost_replica(tail, reason):
+    splice = StreamSplice(client_wants_token_ids=True)
+    splice.feed(event(id="a", created=1, choices=[choice("x", [5])]) + tail)
+    with pytest.raises(ReplicaLost, match=reason):
+        splice.end()
