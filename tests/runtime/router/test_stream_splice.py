@@ -96,3 +96,32 @@ def test_a_stream_that_ends_early_is_a_lost_replica(tail, reason):
     splice.feed(event(id="a", created=1, choices=[choice("x", [5])]) + tail)
     with pytest.raises(ReplicaLost, match=reason):
         splice.end()
+
+
+
+TRICKY_TEXTS = ["", "plain", 'a "quoted" word', "back\\slash\\", ',"token_ids":[1,2]', 'token_ids"', "]", "ünï ☃ \n"]
+
+
+def compact_event(**chunk) -> bytes:
+    """An event as the engine's serializer writes it: no spaces, non-ASCII as it is."""
+    return b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+@pytest.mark.parametrize("token_ids", [[7], [1, 22, 333], []])
+@pytest.mark.parametrize("wants_ids", [False, True])
+def test_a_chunk_read_undecoded_is_relayed_as_decoding_it_would(text, token_ids, wants_ids):
+    chunks = [compact_event(id="a", created=1, choices=[choice(text, token_ids)]),
+              compact_event(id="a", created=1, choices=[choice(text, token_ids, "stop")], usage=None),
+              compact_event(id="a", created=1, choices=[], usage={"completion_tokens": 3})]
+    fast, reference = StreamSplice(wants_ids), StreamSplice(wants_ids)
+    reference._relay = reference._relay_decoded  # every chunk decoded
+    decodes = []
+    fast._relay_decoded = lambda event, decode=fast._relay_decoded: decodes.append(event) or decode(event)
+    for splice in (fast, reference):
+        splice.feed(compact_event(id="a", created=1, choices=[choice("x", [5])]))
+    for chunk in chunks:
+        assert decoded(fast.feed(chunk)) == decoded(reference.feed(chunk))
+    assert fast.token_ids == reference.token_ids == [5, *token_ids, *token_ids]
+    # The first chunk alone: a text that spells the key out has its quotes escaped, never matched.
+    assert len(decodes) == 1
