@@ -7,7 +7,7 @@ between the replica's own URL and the router's, after a run through each that is
 every event of a stream it could resume (their token ids) and writes it again without them. The
 router's CPU time is read from /proc over its runs only, and divided by the tokens they streamed.
 It is then split three ways: what the router spends idle, per second (its polls of the replica), read
-over a quiet window before the runs; and, from one more run with longer outputs, a cost per
+over a quiet window before the runs; and, from as many more runs with longer outputs, a cost per
 streamed token and one per request.
 
     .venv/bin/python bench/router_overhead.py [--model DIR] [--output-dir DIR]
@@ -92,13 +92,17 @@ def main() -> None:
             # The same requests through the router with outputs LONG_OUTPUT_FACTOR times longer: the
             # difference is what a streamed token costs it, apart from each request's own work
             # (parsing, tokenizing, hashing, picking, connecting).
-            long_config = ServeBenchConfig(base_url=router, model="bench", ignore_eos=True,
-                                           max_concurrency=args.max_concurrency, seed=0)
-            cpu_before = _cpu_s(router_process)
-            long_run = benchmark_result(long_config, random_dataset(args.num_prompts, args.input_len,
-                                                                    args.output_len * LONG_OUTPUT_FACTOR, seed=0),
-                                        {}, progress=False)
-            long_cpu_s = _cpu_s(router_process) - cpu_before
+            long_cpu_s = long_busy_s = long_tokens = 0
+            for repetition in range(args.repetitions):
+                long_config = ServeBenchConfig(base_url=router, model="bench", ignore_eos=True,
+                                               max_concurrency=args.max_concurrency, seed=repetition)
+                requests = random_dataset(args.num_prompts, args.input_len, args.output_len * LONG_OUTPUT_FACTOR,
+                                          seed=repetition)
+                cpu_before = _cpu_s(router_process)
+                long_run = benchmark_result(long_config, requests, {}, progress=False)
+                long_cpu_s += _cpu_s(router_process) - cpu_before
+                long_busy_s += long_run["duration"]
+                long_tokens += long_run["total_output_tokens"]
 
     def medians(path: str, key: str) -> float:
         return best_and_median([results[f"{path} {r}"][key] for r in range(args.repetitions)])[1]
@@ -107,11 +111,11 @@ def main() -> None:
                                                               "p99_itl_ms"))] for path in PATHS]
     streamed = sum(results[f"{PATHS[1]} {r}"]["total_output_tokens"] for r in range(args.repetitions))
     cpu_per_token_us = router_cpu_s / streamed * 1e6
-    # Each run's CPU less what the router spends idle over as long: what its requests cost.
+    # The runs' CPU less what the router spends idle over as long: what their requests cost.
     short_cpu_s = (router_cpu_s - idle_cpu_per_s * router_busy_s) / args.repetitions
     short_tokens = streamed / args.repetitions
-    long_work_s = long_cpu_s - idle_cpu_per_s * long_run["duration"]
-    marginal_us = (long_work_s - short_cpu_s) / (long_run["total_output_tokens"] - short_tokens) * 1e6
+    long_work_s = (long_cpu_s - idle_cpu_per_s * long_busy_s) / args.repetitions
+    marginal_us = (long_work_s - short_cpu_s) / (long_tokens / args.repetitions - short_tokens) * 1e6
     per_request_ms = (short_cpu_s - marginal_us * 1e-6 * short_tokens) / args.num_prompts * 1e3
     added_itl = medians(PATHS[1], "median_itl_ms") - medians(PATHS[0], "median_itl_ms")
     added_ttft = medians(PATHS[1], "median_ttft_ms") - medians(PATHS[0], "median_ttft_ms")
@@ -121,8 +125,8 @@ def main() -> None:
             f"{args.max_concurrency} in flight; {args.repetitions} runs per path, alternating; each cell is the "
             f"median over the runs.\n\n{table}\n\nThe router added {added_ttft:+.2f} ms to the median TTFT and "
             f"{added_itl:+.2f} ms to the median ITL, and spent {cpu_per_token_us:.1f} µs of CPU per streamed token "
-            f"({router_cpu_s:.2f} s over {streamed} tokens). Apart, from a run with outputs {LONG_OUTPUT_FACTOR}x "
-            f"longer ({long_cpu_s:.2f} s over {long_run['total_output_tokens']} tokens), less what the router "
+            f"({router_cpu_s:.2f} s over {streamed} tokens). Apart, from {args.repetitions} more runs with outputs "
+            f"{LONG_OUTPUT_FACTOR}x longer ({long_cpu_s:.2f} s over {long_tokens} tokens), less what the router "
             f"spends idle ({idle_cpu_per_s * 1e3:.1f} ms a second, polling its replica's /health and /metrics, read "
             f"over {args.idle_window:g} s before the runs): {marginal_us:.1f} µs per streamed token, and "
             f"{per_request_ms:.2f} ms per request. CPU time is read in 10 ms ticks.")
@@ -135,7 +139,7 @@ def main() -> None:
                 f"{args.max_concurrency}; its CPU: {marginal_us:.0f} µs per streamed token, {per_request_ms:.1f} ms "
                 f"per request, {idle_cpu_per_s * 1e3:.1f} ms a second idle")
     report.write(body, [figure], {"runs": results, "router_cpu_s": router_cpu_s, "streamed_tokens": streamed,
-                                  "long_run_cpu_s": long_cpu_s, "long_run_tokens": long_run["total_output_tokens"],
+                                  "long_runs_cpu_s": long_cpu_s, "long_runs_tokens": long_tokens,
                                   "idle_cpu_s_per_s": idle_cpu_per_s},
                  headline)
 
