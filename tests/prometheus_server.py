@@ -1,6 +1,7 @@
 """A real Prometheus server for the tests: Debian's `prometheus` package, fetched once into
 .cache/ with `apt-get download` and unpacked with `dpkg-deb -x` (no root, nothing installed),
-run on 127.0.0.1 with a scrape configuration of the test's choosing. Every wait is bounded.
+run on 127.0.0.1 with a scrape configuration of the test's choosing. Every wait is bounded. The
+package's `promtool` checks and unit-tests the chart's alerting rules.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import yaml
 
 from cached_tool import fetch_once
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "prometheus-deb"
 PACKAGE = "prometheus"
 FETCH_TIMEOUT = 300  # seconds for apt-get download (about 20 MB)
@@ -28,6 +29,10 @@ STARTUP_TIMEOUT = 60
 def fetch_prometheus() -> Path:
     """The prometheus binary, downloaded and unpacked on first use; later calls reuse the cache."""
     return fetch_once(CACHE / "usr" / "bin" / "prometheus", CACHE, _unpack)
+
+
+def fetch_promtool() -> Path:
+    return fetch_once(CACHE / "usr" / "bin" / "promtool", CACHE, _unpack)
 
 
 def _unpack(scratch: Path) -> Path:
