@@ -58,13 +58,13 @@ def alert_expressions(groups: dict[str, Any]) -> dict[str, str]:
     return {rule["alert"]: rule["expr"] for group in groups["groups"] for rule in group["rules"]}
 
 
-def selectors(expr: str) -> list[str]:
-    """The instant-vector selectors in `expr` (those of range selectors too), as PromQL text."""
-    found: list[str] = []
+def selectors(expr: str) -> list[promql_parser.VectorSelector]:
+    """The instant-vector selectors in `expr` (those of range selectors too); str() of one is its PromQL."""
+    found: list[promql_parser.VectorSelector] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, promql_parser.VectorSelector):
-            found.append(str(node))
+            found.append(node)
             return
         for child in ("lhs", "rhs", "expr", "param", "vector_selector"):
             if getattr(node, child, None) is not None:
@@ -74,3 +74,8 @@ def selectors(expr: str) -> list[str]:
 
     walk(promql_parser.parse(expr))
     return found
+
+
+def matched_labels(selector: promql_parser.VectorSelector) -> set[str]:
+    """The labels a selector's matchers name (its metric name aside)."""
+    return {matcher.name for matcher in selector.matchers.matchers}

@@ -9,7 +9,7 @@ value on (ci/full-values.yaml):
   panels, targets and variables hang together;
 - the PodMonitor scrapes the operator's metrics port, keeping the engines' namespace label.
 
-tests/runtime/server/test_chart_queries_prometheus.py runs every query against a real Prometheus.
+tests/operator/test_operator_chart_queries_prometheus.py runs every query against a real Prometheus.
 """
 
 from __future__ import annotations
