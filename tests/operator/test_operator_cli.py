@@ -7,11 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.runtime import cli
 from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, run
@@ -80,10 +82,11 @@ def test_the_command_reconciles_and_serves_liveness_and_its_metrics(tmp_path: Pa
                 await eventually(lambda: _healthy(port), "the liveness endpoint", timeout=30)
                 await created(k)
                 # The engine's replicas as its watch events show them, and the pass that applied it.
-                page = await eventually(lambda: _metrics_showing(
-                    metrics_port, 'kvpilot:engine_desired_replicas{engine="qwen",namespace="ml"} 2.0',
-                    'kvpilot:operator_reconciles_total{result="success"}'), "the operator's metrics", timeout=30)
-                assert 'kvpilot:operator_reconciles_total{result="error"} 0.0' in page
+                shown = await eventually(lambda: _metrics_where(
+                    metrics_port, lambda found: found.get(("kvpilot:operator_reconciles_total", "success"), 0) >= 1
+                    and found.get(("kvpilot:engine_desired_replicas", "qwen")) == 2), "the operator's metrics",
+                    timeout=30)
+                assert shown[("kvpilot:operator_reconciles_total", "error")] == 0
             finally:
                 if process.returncode is None:
                     process.send_signal(signal.SIGTERM)
@@ -102,16 +105,17 @@ async def _healthy(port: int) -> bool:
         return False
 
 
-async def _metrics_showing(port: int, *lines: str) -> str | None:
-    """The operator's metrics page once it holds each of `lines` (a line's start)."""
+async def _metrics_where(port: int, holds: Callable[[dict[tuple[str, str], float]], bool]):
+    """The operator's metrics, as (name, engine or result) -> value, once `holds` of them."""
     try:
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
                 page = await response.text()
     except aiohttp.ClientError:
         return None
-    shown = page.splitlines()
-    return page if all(any(line.startswith(wanted) for line in shown) for wanted in lines) else None
+    found = {(s.name, s.labels.get("engine") or s.labels.get("result", "")): s.value
+             for family in text_string_to_metric_families(page) for s in family.samples}
+    return found if holds(found) else None
 
 
 def _free_port() -> int:
