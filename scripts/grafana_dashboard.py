@@ -111,9 +111,10 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Operator", (
         Panel("Reconcile passes/s", "The operator's reconcile passes, by result: error when an API call failed.",
               (("{{result}}", f"sum by (result) (rate(kvpilot:operator_reconciles_total[{WINDOW}]))"),)),
-        Panel("Since the last successful reconcile", "Time since a reconcile pass last went through; passes "
-              "run on changes, so an idle fleet sees this grow.",
-              (("operator {{pod}}", "time() - kvpilot:operator_last_successful_reconcile_timestamp_seconds"),), "s"),
+        Panel("Since the last successful reconcile", "Time since a reconcile pass last went through (none "
+              "since an operator started: no line); passes run on changes, so an idle fleet sees this grow.",
+              (("operator {{pod}}",
+                "time() - (kvpilot:operator_last_successful_reconcile_timestamp_seconds > 0)"),), "s"),
         Panel("Spec changes not yet reconciled", "Generations of each engine's spec beyond the one its status "
               "reflects: above 0 for long, the operator is not keeping up.",
               (("{{engine}}", f"max by ({BY_ENGINE}) ({selected('kvpilot:engine_generation')} - "

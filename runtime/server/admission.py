@@ -1,7 +1,8 @@
 """The door every request passes: 503 while draining or dead, or on a connection of the reserve
 beyond --max-connections (connections.py), 401 without a valid key; it counts
-requests in flight for the SIGTERM drain, and releases the sequences a request took from its
-tenant's limit (429 beyond it) when the response ends.
+requests in flight for the SIGTERM drain, and every answer by tenant and status
+(http_responses.py), and releases the sequences a request took from its tenant's limit (429
+beyond it) when the response ends.
 
 A plain ASGI middleware, so that it sees a streamed response to its very end: the tenant's
 sequences and the in-flight count are released when the last byte is sent or the client goes away.
