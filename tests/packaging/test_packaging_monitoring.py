@@ -7,7 +7,10 @@ value on (ci/full-values.yaml):
   scripts/grafana_dashboard.py writes; the dashboard round-trips through Grafana's dashboard
   schema (grafana-foundation-sdk, which is generated from it) without losing a field, and its
   panels, targets and variables hang together;
-- the PodMonitor scrapes the operator's metrics port, keeping the engines' namespace label.
+- the PodMonitor scrapes the operator's metrics port, keeping the engines' namespace label;
+- the ServiceMonitor the operator renders for an engine, whose relabelings give every series the
+  `engine` and `component` labels that the dashboard and alerts select by, passes the Prometheus
+  Operator's schema (test_packaging_chart checks the chart's PodMonitor and PrometheusRule).
 
 tests/operator/test_operator_chart_queries_prometheus.py runs every query against a real Prometheus.
 """
@@ -28,7 +31,9 @@ from grafana_foundation_sdk.models.dashboard import Dashboard
 
 import chart_promql
 import grafana_dashboard
+import prometheus_operator_schemas
 from helm_cli import Helm
+from kvpilot.operator import render
 from packaging_support import FULL_NAMESPACE, FULL_VALUES
 from prometheus_server import fetch_promtool
 
@@ -170,3 +175,15 @@ def test_the_pod_monitor_scrapes_the_operators_metrics_port(full: list[Manifest]
     (container,) = pod["spec"]["containers"]
     (port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
     assert f"--metrics-endpoint=http://0.0.0.0:{port['containerPort']}{endpoint['path']}" in container["args"]
+
+
+def test_the_operators_service_monitor_labels_each_series_by_engine_and_component() -> None:
+    engine = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceEngine",
+              "metadata": {"name": "qwen", "namespace": "ml", "uid": "6a1c"}, "spec": {"routing": {"enabled": True}}}
+    monitor = render.service_monitor_for(engine)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"engine", "component"}
+    broken = {**monitor, "spec": {**monitor["spec"], "endpoints": [{**endpoint, "honorLabels": "yes"}]}}
+    found = prometheus_operator_schemas.errors([monitor, broken])
+    assert found[0] == []
+    assert found[1] and "honorLabels must be boolean" in found[1][0]
