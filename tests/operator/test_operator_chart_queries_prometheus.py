@@ -20,7 +20,6 @@ import asyncio
 import copy
 import math
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import pytest
 
 import chart_promql
 from kubelet import Kubelet
-from operator_harness import CHILDREN, NAMESPACE, SPEC, Cluster, cluster, created, eventually, operator
+from operator_harness import CHILDREN, NAMESPACE, SPEC, Cluster, cluster, created, eventually, free_port, operator
 from prometheus_server import PrometheusServer, Target, fetch_prometheus, scrape_config, scrape_job
 from server_harness import HTTP_TIMEOUT_S  # on sys.path once kubelet is imported
 
@@ -89,14 +88,14 @@ async def query(client: httpx.AsyncClient, expr: str, at: float) -> list[dict[st
     return answer["data"]["result"]
 
 
+async def answers_counted(url: str, answers: int) -> bool:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        result = await query(client, 'sum(kvpilot:http_responses_total{component="router"})', time.time())
+    return bool(result) and not isinstance(result, str) and float(result[0]["value"][1]) == answers
+
+
 def finite(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(sample["value"][1])) for sample in result)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_every_dashboard_and_alert_query_finds_the_fleets_data(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -130,8 +129,9 @@ def test_every_dashboard_and_alert_query_finds_the_fleets_data(tiny_llama_dir: P
                     started = time.time()
                     statuses = await load(kubelet.router.base_url)
                     assert set(statuses) == {200, 429} and statuses[200] > CLIENTS, statuses
-                    # Two more scrapes, so that the last answers are in.
-                    await asyncio.sleep(2.5)
+                    # Once Prometheus has scraped the last answer, the router's count is the clients'.
+                    await eventually(lambda: answers_counted(prometheus.url, sum(statuses.values())),
+                                     "Prometheus to scrape every answer the clients got")
                     await check_queries(prometheus.url, time.time())
                     if FIGURE:
                         await draw(prometheus.url, started, time.time(), Path(FIGURE))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.runtime import cli
-from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, run
+from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, free_port, run
 
 KVPILOT = Path(sys.executable).parent / "kvpilot"
 
@@ -66,7 +65,7 @@ def test_the_operator_never_imports_torch() -> None:
 
 @pytest.mark.timeout(90)
 def test_the_command_reconciles_and_serves_liveness_and_its_metrics(tmp_path: Path) -> None:
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     log = tmp_path / "operator.log"
 
     async def scenario() -> None:
@@ -116,9 +115,3 @@ async def _metrics_where(port: int, holds: Callable[[dict[tuple[str, str], float
     found = {(s.name, s.labels.get("engine") or s.labels.get("result", "")): s.value
              for family in text_string_to_metric_families(page) for s in family.samples}
     return found if holds(found) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
