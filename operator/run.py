@@ -14,6 +14,7 @@ def run_operator(
     namespaces: Sequence[str],
     clusterwide: bool,
     liveness_endpoint: str | None,
+    metrics_endpoint: str | None,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -31,4 +32,5 @@ def run_operator(
         namespaces=list(namespaces),
         clusterwide=clusterwide,
         liveness_endpoint=liveness_endpoint,
+        memo=kopf.Memo(metrics_endpoint=metrics_endpoint),
     )
