@@ -46,7 +46,7 @@ TINY_ARGS = {
                            "--repetitions", "1", "--idle-window", "0.1"],
     "router_prefix_ttft.py": ["--conversations", "2", "--turns", "2", "--words-first-turn", "20",
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
-                              "--repetitions", "1", "--idle-window", "0.1"],
+                              "--repetitions", "1"],
 }
 MODEL_FREE = {"kernels.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
