@@ -357,6 +357,7 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
         **{resource: (kind, set()) for kind, resource in ROUTER_KINDS.items()},
         "v1/pods": ("Pod", {"status"}),
         "v1/events": ("Event", set()),
+        "coordination.k8s.io/v1/leases": ("Lease", set()),
     }
     if service_monitors:
         declared[CHILDREN["ServiceMonitor"]] = ("ServiceMonitor", set())
