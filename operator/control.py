@@ -27,7 +27,8 @@ from typing import Any, Protocol, cast
 import aiohttp
 import kopf
 
-from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, render_router, samples, status, tuning
+from kvpilot.operator import (autoscaler, control_memory, kube, metrics, naming, reconcile, render_router, samples,
+                              status, tuning)
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,12 @@ class Autoscaling:
         engine = interval.engine
         meta, spec = engine["metadata"], engine["spec"]
         key = (meta["namespace"], meta["name"])
+        if key not in self._history:
+            # Taken over, or restarted: go on from what the last operator left (control_memory.py).
+            restored = control_memory.restored_autoscaler(engine.get("status"), now=interval.now,
+                                                          interval_seconds=spec["autoscaling"]["intervalSeconds"])
+            if restored is not None:
+                self._history[key], self._memory[key] = restored
         decision = autoscaler.decide(
             autoscaler.Policy.from_spec(spec["autoscaling"]),
             spec["replicas"],
@@ -243,6 +250,9 @@ class Autoscaling:
         now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)
 
         async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
-            return status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
+            new = status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
+            if new:
+                new[control_memory.FIELD] = {"autoscaler": control_memory.encoded_autoscaler(decision, interval.now)}
+            return new
 
         await self._reconciler.update_status(*key, recorded)

@@ -48,6 +48,11 @@ class Elector:
         self._observed: Observation | None = None
         self._renewed_at: float | None = None  # when the last successful renewal was sent
 
+    @property
+    def renewed_at(self) -> float | None:
+        """When (the monotonic clock) the last successful renewal was sent; None before any."""
+        return self._renewed_at
+
     async def acquire(self) -> None:
         """Try every retry period (jittered, as client-go does) until this operator holds the Lease."""
         announced = ""

@@ -1,0 +1,90 @@
+"""The control loop's memory in the engine's status (status.controlMemory), so that an operator
+that takes over after a failover, or restarts, decides as the one before would have.
+
+What survives: the autoscaler's recommendations inside its stabilization windows, the start of
+its memory (the first-window guard), its last reading of each pod (for rates), its backlog
+capacity and since when the engine has been idle; the policy tuner's pressured intervals and the
+start of its calm window.
+
+The rule that makes the handover safe: a memory is taken up only while its last interval is at
+most STALE_INTERVALS intervals old. The intervals missed in between (the leader died, the Lease
+expired, the next one took it) are then exactly what a single operator has after intervals that
+failed on an unreachable API server: the same memory, with nothing recorded for them. Older
+memories are dropped, and the autoscaler starts afresh behind its first-window guard.
+A memory that cannot be read (another version's, or edited by hand) is dropped the same way.
+
+Collections are lists: status is written as a JSON merge patch, which would merge maps with
+what the last write left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpilot.operator import autoscaler, samples, tuner
+
+FIELD = "controlMemory"
+
+
+def encoded_autoscaler(decision: autoscaler.Decision, now: float) -> dict[str, Any]:
+    memory = decision.memory
+    return {
+        "at": now,
+        "recommendations": [[t, r] for t, r in decision.history],
+        "since": memory.since,
+        "idleSince": memory.idle_since,
+        "backlogFinished": memory.backlog_finished,
+        "backlogSeconds": memory.backlog_seconds,
+        "pods": [[s.pod, s.kv_cache_usage, s.num_waiting, s.num_running, s.observed_at, s.num_finished]
+                 for s in memory.pods.values()],
+    }
+
+
+def restored_autoscaler(
+    status: Mapping[str, Any] | None, *, now: float, interval_seconds: float
+) -> tuple[tuple[tuple[float, int], ...], autoscaler.Memory] | None:
+    """(history, memory) as the last operator left them, or None (see the module's docstring)."""
+    saved = _taken_up(status, "autoscaler", now, interval_seconds)
+    if saved is None:
+        return None
+    try:
+        history = tuple((float(t), int(r)) for t, r in saved["recommendations"])
+        pods = {str(pod): samples.PodSample(str(pod), float(kv), float(waiting), float(running), float(at),
+                                            None if finished is None else float(finished))
+                for pod, kv, waiting, running, at, finished in saved["pods"]}
+        memory = autoscaler.Memory(pods, float(saved["backlogFinished"]), float(saved["backlogSeconds"]),
+                                   _time(saved["since"]), _time(saved["idleSince"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return history, memory
+
+
+def encoded_tuner(state: tuner.TunerState, now: float) -> dict[str, Any]:
+    return {"at": now, "policy": state.policy, "pressuredIntervals": state.pressured_intervals,
+            "calmSince": state.calm_since}
+
+
+def restored_tuner(status: Mapping[str, Any] | None, *, now: float, interval_seconds: float) -> tuner.TunerState | None:
+    """The tuner's state as the last operator left it, or None (see the module's docstring)."""
+    saved = _taken_up(status, "tuner", now, interval_seconds)
+    if saved is None or saved.get("policy") not in (tuner.CALM_POLICY, tuner.PRESSURE_POLICY):
+        return None
+    try:
+        return tuner.TunerState(saved["policy"], int(saved["pressuredIntervals"]), _time(saved["calmSince"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _taken_up(status: Mapping[str, Any] | None, part: str, now: float, interval_seconds: float) -> Any:
+    saved = ((status or {}).get(FIELD) or {}).get(part)
+    if not isinstance(saved, Mapping):
+        return None
+    at = saved.get("at")
+    if not isinstance(at, int | float) or not 0 <= now - at <= autoscaler.STALE_INTERVALS * interval_seconds:
+        return None
+    return saved
+
+
+def _time(value: Any) -> float | None:
+    return None if value is None else float(value)
