@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvpilot.operator.leader_election import LeaderElection, LeaseSettings
 from kvpilot.runtime import cli
 from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, run
 
@@ -36,15 +37,32 @@ def test_namespace_patterns_are_refused(capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.parametrize(("argv", "expected"), [
     (["-n", "ml", "--namespace", "serving"],
      {"namespaces": ["ml", "serving"], "clusterwide": False, "liveness_endpoint": "http://0.0.0.0:8080/healthz",
-      "log_level": "info", "log_format": "full"}),
-    (["--all-namespaces", "--liveness-endpoint", "", "--log-level", "debug", "--log-format", "json"],
-     {"namespaces": [], "clusterwide": True, "liveness_endpoint": None, "log_level": "debug", "log_format": "json"}),
+      "log_level": "info", "log_format": "full", "leader_election": None}),
+    (["--all-namespaces", "--liveness-endpoint", "", "--log-level", "debug", "--log-format", "json",
+      "--leader-elect", "--leader-elect-resource-namespace", "ops", "--leader-elect-retry-period", "1"],
+     {"namespaces": [], "clusterwide": True, "liveness_endpoint": None, "log_level": "debug", "log_format": "json",
+      "leader_election": LeaderElection("kvpilot-operator", "ops", LeaseSettings(15, 10, 1))}),
 ])
 def test_flags_reach_the_operator(monkeypatch: pytest.MonkeyPatch, argv: list[str], expected: dict[str, Any]) -> None:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr("kvpilot.operator.run.run_operator", lambda **kwargs: calls.append(kwargs))
     assert cli.main(["operator", *argv]) == 0
     assert calls == [expected]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--leader-elect"], "--leader-elect needs --leader-elect-resource-namespace outside a pod"),
+    (["--leader-elect", "--leader-elect-resource-namespace", "ops", "--leader-elect-renew-deadline", "15"],
+     "must be shorter than the lease duration"),
+    (["--leader-elect-retry-period", "0"], "must be a positive number"),
+])
+def test_lease_settings_that_cannot_work_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str,
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["operator", "-n", "ml", *argv])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_the_operator_never_imports_torch() -> None:
