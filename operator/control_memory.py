@@ -6,25 +6,31 @@ its memory (the first-window guard), its last reading of each pod (for rates), i
 capacity and since when the engine has been idle; the policy tuner's pressured intervals and the
 start of its calm window.
 
-The rule that makes the handover safe: a memory is taken up only while its last interval is at
-most STALE_INTERVALS intervals old. The intervals missed in between (the leader died, the Lease
-expired, the next one took it) are then exactly what a single operator has after intervals that
-failed on an unreachable API server: the same memory, with nothing recorded for them. Older
-memories are dropped, and the autoscaler starts afresh behind its first-window guard.
-A memory that cannot be read (another version's, or edited by hand) is dropped the same way.
+The rule that makes the handover safe: the intervals missed between the last operator's last
+interval and the next one's first (the leader died, its Lease expired, a standby took it) are
+treated as a single operator treats intervals that failed on an unreachable API server: the same
+memory, with nothing recorded for them. So the next operator decides as that single operator
+would. A memory is taken up while something in it can still count: its last interval lies within
+the longest window (stabilization, or calm) plus STALE_INTERVALS intervals. An older one (the
+operator was down for longer) is dropped, and the autoscaler starts afresh behind its first-window
+guard, as at a first start; so is one that cannot be read (another version's, or edited by hand).
+The control loop removes each part once its controller is turned off.
 
 Collections are lists: status is written as a JSON merge patch, which would merge maps with
-what the last write left.
+what the last write left. For the same reason a time that is None is absent once written (a
+merge patch deletes what it sets to null).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvpilot.operator import autoscaler, samples, tuner
 
 FIELD = "controlMemory"
+AUTOSCALER = "autoscaler"
+TUNER = "tuner"
 
 
 def encoded_autoscaler(decision: autoscaler.Decision, now: float) -> dict[str, Any]:
@@ -42,10 +48,11 @@ def encoded_autoscaler(decision: autoscaler.Decision, now: float) -> dict[str, A
 
 
 def restored_autoscaler(
-    status: Mapping[str, Any] | None, *, now: float, interval_seconds: float
+    status: Mapping[str, Any] | None, policy: autoscaler.Policy, *, now: float
 ) -> tuple[tuple[tuple[float, int], ...], autoscaler.Memory] | None:
     """(history, memory) as the last operator left them, or None (see the module's docstring)."""
-    saved = _taken_up(status, "autoscaler", now, interval_seconds)
+    window = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    saved = _taken_up(status, AUTOSCALER, now, window + autoscaler.STALE_INTERVALS * policy.interval_seconds)
     if saved is None:
         return None
     try:
@@ -54,7 +61,7 @@ def restored_autoscaler(
                                             None if finished is None else float(finished))
                 for pod, kv, waiting, running, at, finished in saved["pods"]}
         memory = autoscaler.Memory(pods, float(saved["backlogFinished"]), float(saved["backlogSeconds"]),
-                                   _time(saved["since"]), _time(saved["idleSince"]))
+                                   _time(saved.get("since")), _time(saved.get("idleSince")))
     except (KeyError, TypeError, ValueError):
         return None
     return history, memory
@@ -65,23 +72,32 @@ def encoded_tuner(state: tuner.TunerState, now: float) -> dict[str, Any]:
             "calmSince": state.calm_since}
 
 
-def restored_tuner(status: Mapping[str, Any] | None, *, now: float, interval_seconds: float) -> tuner.TunerState | None:
+def restored_tuner(status: Mapping[str, Any] | None, spec: Mapping[str, Any], *, now: float) -> tuner.TunerState | None:
     """The tuner's state as the last operator left it, or None (see the module's docstring)."""
-    saved = _taken_up(status, "tuner", now, interval_seconds)
+    window = spec["scheduling"]["calmWindowSeconds"]
+    saved = _taken_up(status, TUNER, now, window + autoscaler.STALE_INTERVALS * spec["autoscaling"]["intervalSeconds"])
     if saved is None or saved.get("policy") not in (tuner.CALM_POLICY, tuner.PRESSURE_POLICY):
         return None
     try:
-        return tuner.TunerState(saved["policy"], int(saved["pressuredIntervals"]), _time(saved["calmSince"]))
+        return tuner.TunerState(saved["policy"], int(saved["pressuredIntervals"]), _time(saved.get("calmSince")))
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def _taken_up(status: Mapping[str, Any] | None, part: str, now: float, interval_seconds: float) -> Any:
+def forgotten(status: Mapping[str, Any] | None, parts: Iterable[str]) -> dict[str, Any] | None:
+    """The status merge patch that removes these parts of the memory (their controllers were
+    turned off: turned on again, they start afresh); None where status holds none of them."""
+    saved = (status or {}).get(FIELD) or {}
+    gone = {part: None for part in parts if part in saved}
+    return {FIELD: gone} if gone else None
+
+
+def _taken_up(status: Mapping[str, Any] | None, part: str, now: float, keep_seconds: float) -> Any:
     saved = ((status or {}).get(FIELD) or {}).get(part)
     if not isinstance(saved, Mapping):
         return None
     at = saved.get("at")
-    if not isinstance(at, int | float) or not 0 <= now - at <= autoscaler.STALE_INTERVALS * interval_seconds:
+    if not isinstance(at, int | float) or not 0 <= now - at <= keep_seconds:
         return None
     return saved
 

@@ -27,6 +27,8 @@ CHANGED = "SchedulingPolicyChanged"
 
 
 class PolicyTuning:
+    memory = control_memory.TUNER
+
     def __init__(
         self, reconciler: reconcile.Reconciler, *, pod_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_url
     ) -> None:
@@ -60,7 +62,7 @@ class PolicyTuning:
 
         async def effective(_: Mapping[str, Any]) -> dict[str, Any]:
             return {"effectiveSchedulingPolicy": decision.policy,
-                    control_memory.FIELD: {"tuner": control_memory.encoded_tuner(decision.state, interval.now)}}
+                    control_memory.FIELD: {control_memory.TUNER: control_memory.encoded_tuner(decision.state, interval.now)}}
 
         await self._reconciler.update_status(*key, effective)
         if decision.policy != recorded:
@@ -102,8 +104,7 @@ class PolicyTuning:
 def _restored(engine: Mapping[str, Any], now: float) -> tuner.TunerState:
     """The state the last operator left in status (control_memory.py), where it agrees with the
     effective policy recorded there; else a fresh start from that policy."""
-    seconds = engine["spec"]["autoscaling"]["intervalSeconds"]
-    restored = control_memory.restored_tuner(engine.get("status"), now=now, interval_seconds=seconds)
+    restored = control_memory.restored_tuner(engine.get("status"), engine["spec"], now=now)
     if restored is not None and restored.policy == render.effective_scheduling_policy(engine):
         return restored
     return tuner.initial_state(engine)

@@ -173,7 +173,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         elif isinstance(request.data, list):
             new = jsonpatch.apply_patch(old, request.data)
         else:
-            new = _merged(old, request.data)
+            new = merge_patched(old, request.data)
 
         if request.subresource == "status":
             new = {**old, "status": new.get("status")}
@@ -211,7 +211,7 @@ def _content(obj: JSON) -> JSON:
     return {key: value for key, value in obj.items() if key not in ("metadata", "status")}
 
 
-def _merged(old: Any, patch: Any) -> Any:
+def merge_patched(old: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
@@ -220,7 +220,7 @@ def _merged(old: Any, patch: Any) -> Any:
         if value is None:
             result.pop(key, None)
         else:
-            result[key] = _merged(result.get(key), value)
+            result[key] = merge_patched(result.get(key), value)
     return result
 
 
