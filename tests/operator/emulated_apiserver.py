@@ -30,9 +30,10 @@ import copy
 import datetime
 import itertools
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import attrs
@@ -47,8 +48,10 @@ JSON = dict[str, Any]
 class Fault:
     """What the emulator does instead of serving a matching request, `times` times (None: always):
     answer `status` (with Retry-After: `retry_after` seconds, where given) after `delay` seconds,
-    changing nothing; or, with `status` None, serve it after the delay (a slow answer), ending a
-    watch stream after `events` events where that is given."""
+    changing nothing; or, with `status` None, serve it after the delay (a slow answer). With
+    `events`, it cuts watch streams instead, running ones included: each ends after sending
+    `events` more events, before the next (with an ERROR event of code `status` first, where
+    that is given)."""
 
     matches: Callable[[kmock.Request], bool]
     status: int | None = 500
@@ -56,7 +59,11 @@ class Fault:
     retry_after: float | None = None
     events: int | None = None
     times: int | None = 1
-    hits: int = 0
+    hit: list[kmock.Request] = field(default_factory=list)  # the requests it answered
+
+    @property
+    def hits(self) -> int:
+        return len(self.hit)
 
 
 @attrs.frozen
@@ -69,6 +76,8 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
         self.faults: list[Fault] = []
+        # request id -> when it arrived (time.monotonic()), for tests of retry timing.
+        self.arrived: dict[int, float] = {}
         self._flaky: tuple[float, tuple[int, ...], str, random.Random] | None = None
 
     def inject(self, fault: Fault) -> Fault:
@@ -90,6 +99,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         return rng.choice(statuses) if rng.random() < share else None
 
     async def _handle(self, request: kmock.Request) -> Any:
+        self.arrived[request.id] = time.monotonic()
         if request.resource is not None:
             flaky = self._flaky_failure(request)
             if flaky is not None:
@@ -109,7 +119,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
     def _fault(self, request: kmock.Request) -> Fault | None:
         for fault in self.faults:
             if fault.events is None and fault.matches(request):
-                fault.hits += 1
+                fault.hit.append(request)
                 if fault.times is not None and fault.hits >= fault.times:
                     self.faults.remove(fault)
                 return fault
@@ -122,17 +132,24 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         return response
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
-        cut = next((f for f in self.faults if f.events is not None and f.matches(request)), None)
-        if cut is not None:
-            cut.hits += 1
-            if cut.times is not None and cut.hits >= cut.times:
-                self.faults.remove(cut)
-        sent = 0
+        passed: dict[int, int] = {}  # per cut fault: the events this stream sent since it was injected
         async for event in super()._serve_watch(request):
+            cut = next((f for f in self.faults if f.events is not None and f.matches(request)), None)
+            if cut is not None and event != b"":
+                if passed.setdefault(id(cut), 0) >= cut.events:
+                    # The connection ends mid-stream, this event unsent, as when a proxy or an
+                    # API server restarts; with a status, the API server says why first, as it
+                    # does (410) when the watch's resourceVersion has been compacted away.
+                    cut.hit.append(request)
+                    if cut.times is not None and cut.hits >= cut.times:
+                        self.faults.remove(cut)
+                    if cut.status is not None:
+                        yield {"type": "ERROR", "object": {"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                                           "reason": "Expired", "code": cut.status,
+                                                           "message": "too old resource version"}}
+                    return
+                passed[id(cut)] += 1
             yield event
-            sent += event != b""
-            if cut is not None and sent >= cut.events:
-                return  # the connection ends, as a proxy or an API server restart ends it
 
     def _replace(self, request: kmock.Request, **changes: Any) -> kmock.Request:
         # kmock routes a request by its identity in the list of received requests, so the
