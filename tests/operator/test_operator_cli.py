@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from kvpilot.operator.leader_election import LeaderElection, LeaseSettings
 from kvpilot.runtime import cli
 from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, run
-
-KVPILOT = Path(sys.executable).parent / "kvpilot"
+from operator_process import free_port, healthy, start
 
 
 def test_a_namespace_scope_is_required(capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,19 +69,14 @@ def test_the_operator_never_imports_torch() -> None:
 
 @pytest.mark.timeout(90)
 def test_the_command_reconciles_and_serves_liveness(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "operator.log"
 
     async def scenario() -> None:
         async with cluster(tmp_path) as k:
-            with log.open("wb") as output:
-                process = await asyncio.create_subprocess_exec(
-                    str(KVPILOT), "operator", "--namespace", "ml",
-                    "--liveness-endpoint", f"http://127.0.0.1:{port}/healthz",
-                    stdout=output, stderr=output,
-                )
+            process = await start(log, "--liveness-endpoint", f"http://127.0.0.1:{port}/healthz")
             try:
-                await eventually(lambda: _healthy(port), "the liveness endpoint", timeout=30)
+                await eventually(lambda: healthy(port), "the liveness endpoint", timeout=30)
                 await created(k)
             finally:
                 if process.returncode is None:
@@ -93,18 +85,3 @@ def test_the_command_reconciles_and_serves_liveness(tmp_path: Path) -> None:
             assert process.returncode == 0, log.read_text()[-2000:]
 
     run(scenario())
-
-
-async def _healthy(port: int) -> bool:
-    try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{port}/healthz") as response:
-                return response.status == 200
-    except aiohttp.ClientError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,11 @@ from emulated_apiserver import Fault
 from fake_metrics import fake_metrics
 from kvpilot.operator import handlers, kube, naming
 from operator_harness import (
-    CHILDREN, NAMESPACE, SPEC, TEST_CLIENT, Cluster, child, cluster, created, eventually, key, operator, phase_is, run,
+    CHILDREN, SPEC, TEST_CLIENT, Cluster, child, cluster, created, eventually, key, operator, phase_is, run,
 )
+from operator_process import start
 
 pytestmark = pytest.mark.timeout(90)
-
-KVPILOT = Path(sys.executable).parent / "kvpilot"
 
 
 def the_operators(request: kmock.Request) -> bool:
@@ -101,23 +99,27 @@ def test_a_429_is_retried_after_retry_after(tmp_path: Path) -> None:
     run(scenario())
 
 
+# (method, watch, failures): the operator posts few Events, each retried later by kopf.
+VERBS = [("GET", False, 2), ("GET", True, 2), ("PATCH", False, 2), ("POST", False, 1), ("DELETE", False, 2)]
+
+
 @pytest.mark.parametrize("status", [500, 503])
 def test_server_errors_on_every_verb_delay_the_work_but_never_end_it(tmp_path: Path, status: int) -> None:
-    rng = random.Random(status)
-
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
-            # A third of everything the operator asks fails: lists, watches, gets, applies, status
-            # patches, Events, deletes.
-            fault = k.server.inject(Fault(lambda r: the_operators(r) and rng.random() < 0.33, status=status, times=None))
+            # The first two of each kind of request the operator makes fail: lists and gets,
+            # watches, applies and status patches, Events, deletes; kopf's and its client's.
+            faults = [k.server.inject(Fault(lambda r, method=method, watch=watch: the_operators(r)
+                                            and r.method == method and (r.params.get("watch") == "true") == watch,
+                                            status=status, times=failures))
+                      for method, watch, failures in VERBS]
             await created(k)
             await converged(k)
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": True}))
             await eventually(lambda: k.deployment("qwen-router"), "the routers")
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": False}))
             await eventually(lambda: k.deployment("qwen-router") is None, "the routers removed")
-            failed = {(r.method, r.params.get("watch") == "true") for r in fault.hit}
-            assert {("GET", True), ("GET", False), ("PATCH", False), ("DELETE", False)} <= failed
+            assert [fault.hits for fault in faults] == [failures for _, _, failures in VERBS]
 
     run(scenario())
 
@@ -202,13 +204,13 @@ def test_an_operator_killed_mid_reconcile_finishes_the_work_when_restarted(tmp_p
             def operator_writes() -> int:
                 return sum(1 for r in k.server if the_operators(r) and r.method in ("PATCH", "POST"))
 
-            first = await _start(k, tmp_path / "first.log")
+            first = await start(tmp_path / "first.log")
             await eventually(lambda: operator_writes() >= writes, f"{writes} writes")
             first.send_signal(signal.SIGKILL)
             await first.wait()
             missing = [kind for kind in CHILDREN if kind != "ServiceMonitor" and child(k, kind) is None]
             assert missing, "killed only after the reconcile was done"
-            second = await _start(k, tmp_path / "second.log")
+            second = await start(tmp_path / "second.log")
             try:
                 await converged(k)
             finally:
@@ -217,11 +219,3 @@ def test_an_operator_killed_mid_reconcile_finishes_the_work_when_restarted(tmp_p
             assert second.returncode == 0
 
     run(scenario())
-
-
-async def _start(k: Cluster, log: Path) -> asyncio.subprocess.Process:
-    with log.open("wb") as output:
-        return await asyncio.create_subprocess_exec(
-            str(KVPILOT), "operator", "--namespace", NAMESPACE, "--liveness-endpoint", "",
-            stdout=output, stderr=output,
-        )

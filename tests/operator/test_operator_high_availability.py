@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,10 +19,10 @@ from emulated_apiserver import Fault
 from fake_metrics import fake_metrics
 from kvpilot.operator import leader_election, run as operator_run
 from operator_harness import NAMESPACE, SPEC, Cluster, cluster, created, eventually, run, write_kubeconfig
+from operator_process import free_port, healthy, start
 
 pytestmark = pytest.mark.timeout(120)
 
-KVPILOT = Path(sys.executable).parent / "kvpilot"
 LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD = 2.0, 1.5, 0.4
 # client-go's bound: the standby sees the last renewal up to a (jittered) retry period late, and
 # tries again up to one after the Lease expired; the rest is this loaded machine's scheduling.
@@ -32,17 +31,16 @@ STARTUP_TIMEOUT = 30
 
 
 @contextlib.asynccontextmanager
-async def operator_process(k: Cluster, tmp_path: Path, token: str) -> AsyncIterator[asyncio.subprocess.Process]:
+async def operator_process(
+    k: Cluster, tmp_path: Path, token: str, liveness: str = "",
+) -> AsyncIterator[asyncio.subprocess.Process]:
     kubeconfig = write_kubeconfig(tmp_path / f"kubeconfig-{token}", k.url, token)
     log = tmp_path / f"operator-{token}.log"
-    with log.open("wb") as output:
-        process = await asyncio.create_subprocess_exec(
-            str(KVPILOT), "operator", "--namespace", NAMESPACE, "--liveness-endpoint", "",
-            "--leader-elect", "--leader-elect-resource-namespace", NAMESPACE,
-            "--leader-elect-lease-duration", str(LEASE_DURATION), "--leader-elect-renew-deadline", str(RENEW_DEADLINE),
-            "--leader-elect-retry-period", str(RETRY_PERIOD),
-            stdout=output, stderr=output, env={"KUBECONFIG": str(kubeconfig), "PATH": ""},
-        )
+    process = await start(
+        log, "--liveness-endpoint", liveness, "--leader-elect", "--leader-elect-resource-namespace", NAMESPACE,
+        "--leader-elect-lease-duration", str(LEASE_DURATION), "--leader-elect-renew-deadline", str(RENEW_DEADLINE),
+        "--leader-elect-retry-period", str(RETRY_PERIOD), env={"KUBECONFIG": str(kubeconfig)},
+    )
     try:
         yield process
     finally:
@@ -109,12 +107,16 @@ def test_the_standby_takes_over_from_a_killed_leader_and_scales_when_a_single_op
 
 
 def test_a_leader_cut_off_from_the_api_server_stops_before_the_standby_starts(tmp_path: Path) -> None:
+    port = free_port()
+
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator_process(k, tmp_path, "a") as a:
             first = await leading(k, a)
-            async with operator_process(k, tmp_path, "b") as b:
+            liveness = f"http://127.0.0.1:{port}/healthz"
+            async with operator_process(k, tmp_path, "b", liveness) as b:
                 await created(k)
-                await asyncio.sleep(2 * RETRY_PERIOD)  # b reads the Lease, and stands by
+                # b stands by: it reads the Lease, writes nothing, and is alive for the kubelet.
+                await eventually(lambda: healthy(port), "the standby's liveness endpoint", timeout=STARTUP_TIMEOUT)
                 assert set(writers(k)) == {"a"}
                 k.server.inject(Fault(lambda r: r.headers.get("Authorization") == "Bearer a", status=503, times=None))
                 exited = asyncio.create_task(_exit_time(a))
@@ -125,7 +127,11 @@ def test_a_leader_cut_off_from_the_api_server_stops_before_the_standby_starts(tm
                 # The new leader acts: a spec change reaches the Deployment.
                 await k.update_engine("qwen", lambda spec: spec.update(replicas=3))
                 await eventually(lambda: k.deployment("qwen")["spec"]["replicas"] == 3, "the new leader's apply")
-                assert b.returncode is None
+                assert await healthy(port), "kopf's liveness endpoint, where the standby's was"
+                # Stopped cleanly, the leader hands the Lease back rather than let it expire.
+                b.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(b.wait(), 15)
+                assert b.returncode == 0 and lease_holder(k) == ""
 
     run(scenario())
 

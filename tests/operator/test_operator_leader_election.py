@@ -16,6 +16,7 @@ import pytest
 from emulated_apiserver import Fault
 from kvpilot.operator import kube, leader, leader_election
 from kvpilot.operator.leader_election import LeaseSettings, Observation
+from operator_api_calls import used
 from operator_harness import NAMESPACE, cluster, run
 
 WALL = datetime.datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=datetime.UTC)
@@ -111,6 +112,8 @@ def test_one_of_two_candidates_leads_and_the_other_takes_over_once_renewals_stop
                 assert taken <= SHORT.lease_duration + 2 * SHORT.retry_period * leader_election.JITTER_FACTOR + 0.5
                 await b.release()
                 assert held_by(k) == ""
+            # The chart's Role for the Lease grants these (tests/packaging checks it).
+            assert used(k) == {("coordination.k8s.io", "leases", verb) for verb in ("get", "create", "patch")}
 
     run(scenario())
 
