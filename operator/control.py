@@ -271,7 +271,8 @@ class Autoscaling:
         async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
             new = status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
             if new:
-                new[control_memory.FIELD] = {control_memory.AUTOSCALER: control_memory.encoded_autoscaler(decision, interval.now)}
+                memory = control_memory.encoded_autoscaler(decision, interval.now)
+                new[control_memory.FIELD] = {control_memory.AUTOSCALER: memory}
             return new
 
         await self._reconciler.update_status(*key, recorded)

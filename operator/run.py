@@ -68,7 +68,9 @@ def run_operator(
         asyncio.run(_lead(operator, leader_election, liveness_endpoint))
 
 
-async def _lead(operator: Callable[[], Coroutine[Any, Any, None]], election: LeaderElection, liveness_endpoint: str | None) -> None:
+async def _lead(
+    operator: Callable[[], Coroutine[Any, Any, None]], election: LeaderElection, liveness_endpoint: str | None,
+) -> None:
     client = kube.Kube(kopf.OperatorSettings())
     elector = leader.Elector(client, name=election.name, namespace=election.namespace,
                              identity=leader.identity(), settings=election.settings)
@@ -83,8 +85,12 @@ async def _lead(operator: Callable[[], Coroutine[Any, Any, None]], election: Lea
             await asyncio.wait({acquiring, stopped}, return_when=asyncio.FIRST_COMPLETED)
             for task in (acquiring, stopped):
                 task.cancel()
-        if not acquiring.done() or acquiring.cancelled():
+        if acquiring.cancelled():
             return  # stopped while standing by
+        acquiring.result()  # a failure here is a bug: end the process rather than lead
+        if stopping.is_set():
+            await elector.release()  # took the Lease as the stop came
+            return
         # kopf puts its own SIGTERM/SIGINT handlers in place of these.
         running = asyncio.create_task(operator())
         holding = asyncio.create_task(elector.hold())

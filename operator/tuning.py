@@ -61,8 +61,8 @@ class PolicyTuning:
         recorded = render.effective_scheduling_policy(engine)
 
         async def effective(_: Mapping[str, Any]) -> dict[str, Any]:
-            return {"effectiveSchedulingPolicy": decision.policy,
-                    control_memory.FIELD: {control_memory.TUNER: control_memory.encoded_tuner(decision.state, interval.now)}}
+            memory = control_memory.encoded_tuner(decision.state, interval.now)
+            return {"effectiveSchedulingPolicy": decision.policy, control_memory.FIELD: {control_memory.TUNER: memory}}
 
         await self._reconciler.update_status(*key, effective)
         if decision.policy != recorded:
