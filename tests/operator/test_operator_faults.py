@@ -105,18 +105,21 @@ VERBS = [("GET", False, 2), ("GET", True, 2), ("PATCH", False, 2), ("POST", Fals
 
 @pytest.mark.parametrize("status", [500, 503])
 def test_server_errors_on_every_verb_delay_the_work_but_never_end_it(tmp_path: Path, status: int) -> None:
+    def failing(method: str, watch: bool, failures: int) -> Fault:
+        return Fault(lambda r: the_operators(r) and r.method == method and (r.params.get("watch") == "true") == watch,
+                     status=status, times=failures)
+
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator():
-            # The first two of each kind of request the operator makes fail: lists and gets,
-            # watches, applies and status patches, Events, deletes; kopf's and its client's.
-            faults = [k.server.inject(Fault(lambda r, method=method, watch=watch: the_operators(r)
-                                            and r.method == method and (r.params.get("watch") == "true") == watch,
-                                            status=status, times=failures))
-                      for method, watch, failures in VERBS]
+            # The first of each kind of request the operator makes fail: lists and gets, watches,
+            # applies and status patches, Events (kopf's and its client's); then deletes, as
+            # routing is turned off.
+            faults = [k.server.inject(failing(*verb)) for verb in VERBS[:-1]]
             await created(k)
             await converged(k)
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": True}))
             await eventually(lambda: k.deployment("qwen-router"), "the routers")
+            faults.append(k.server.inject(failing(*VERBS[-1])))
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": False}))
             await eventually(lambda: k.deployment("qwen-router") is None, "the routers removed")
             assert [fault.hits for fault in faults] == [failures for _, _, failures in VERBS]
