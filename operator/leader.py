@@ -58,8 +58,10 @@ class Elector:
         announced = ""
         while True:
             sent = self._clock()
+            # As long as a renewal may take: a slow API server delays the takeover, never stops it.
+            timeout = self._settings.renew_deadline
             try:
-                if await asyncio.wait_for(self._try(self._settings.retry_period), self._settings.retry_period):
+                if await asyncio.wait_for(self._try(timeout), timeout):
                     self._renewed_at = sent
                     logger.info(f"Holding Lease {self._namespace}/{self._name} as {self.identity}: leading")
                     return

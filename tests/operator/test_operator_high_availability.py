@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD = 2.0, 1.5, 0.4
 # client-go's bound: the standby sees the last renewal up to a (jittered) retry period late, and
 # tries again up to one after the Lease expired; the rest is this loaded machine's scheduling.
-TAKEOVER_BOUND = LEASE_DURATION + 2 * RETRY_PERIOD * leader_election.JITTER_FACTOR + 1.0
+TAKEOVER_BOUND = LEASE_DURATION + 2 * RETRY_PERIOD * leader_election.JITTER_FACTOR + 1.5
 STARTUP_TIMEOUT = 30
 
 
