@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv serve bench soak chart-sync crd-reference
+.PHONY: test venv serve bench soak chart-sync crd-reference dashboard
 
 # The venv is rebuilt whenever the pinned requirements change.
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt
@@ -41,6 +41,10 @@ bench: venv
 # operator/rbac.yaml after changing either (tests fail while a copy is stale).
 chart-sync:
 	$(PYTHON) scripts/sync_chart.py
+
+# Regenerate the chart's Grafana dashboard from scripts/grafana_dashboard.py (tests fail while it is stale).
+dashboard:
+	$(PYTHON) scripts/grafana_dashboard.py
 
 # Regenerate README.md's CRD reference from crds/ (tests fail while it is stale).
 crd-reference: venv

@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import control, kube, metrics, naming, reconcile
+from kvpilot.operator import control, exported_metrics, kube, metrics, naming, reconcile
 
 registry = kopf.OperatorRegistry()
 
@@ -73,7 +73,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.chunk_size = LIST_CHUNK_SIZE
     # Tests shorten the API calls' timeout, to answer slower than it.
     client = kube.Kube(settings, timeout=memo.get("api_timeout_seconds", kube.TIMEOUT_S))
-    memo.reconciler = reconcile.Reconciler(client, unwatched_kinds=await _unwatched_kinds(client))
+    memo.exported = exported_metrics.OperatorMetrics()
+    # `kvpilot operator --metrics-endpoint` (tests pass their own); none where it is empty.
+    endpoint = memo.get("metrics_endpoint")
+    memo.metrics_server = await exported_metrics.serve(endpoint, memo.exported) if endpoint else None
+    memo.reconciler = reconcile.Reconciler(client, unwatched_kinds=await _unwatched_kinds(client),
+                                           on_pass=memo.exported.reconciled)
     # Tests point the direct scrape and the policy tuner's calls at fake pods of their own, where
     # pods have no reachable IP.
     memo.control = control.ControlLoops(
@@ -98,6 +103,8 @@ async def _unwatched_kinds(client: kube.Kube) -> frozenset[str]:
 async def close(memo: kopf.Memo, **_: Any) -> None:
     await memo.control.close()
     await memo.reconciler.client.close()
+    if memo.metrics_server is not None:
+        await memo.metrics_server.cleanup()
 
 
 @kopf.on.login(registry=registry)
@@ -123,6 +130,10 @@ async def reconcile_engine(body: kopf.Body, memo: kopf.Memo, retry: int, **_: An
 @kopf.on.event(*_ENGINES, registry=registry)
 async def follow_engine(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     memo.control.follow(body, deleted=type == "DELETED")
+    if type == "DELETED":
+        memo.exported.forget(body["metadata"]["namespace"], body["metadata"]["name"])
+    else:
+        memo.exported.observe(body)
 
 
 @kopf.on.event(*_DEPLOYMENTS, labels=_OWN_CHILDREN, registry=registry)

@@ -60,10 +60,13 @@ class EngineLocks:
 
 class Reconciler:
     def __init__(self, client: kube.Kube, *, unwatched_kinds: frozenset[str] = frozenset(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_pass: Callable[[bool], None] = lambda ok: None) -> None:
         """`unwatched_kinds`: children no watch follows (ServiceMonitors whose CRD came after the
-        operator started), which every pass applies again."""
+        operator started), which every pass applies again. `on_pass(ok)` hears how each pass
+        ended: False when an API call failed."""
         self.client = client
+        self._on_pass = on_pass
         self._unwatched_kinds = unwatched_kinds
         self._clock = clock
         self._monitors_served: tuple[float, bool] | None = None  # (when asked, the answer)
@@ -104,12 +107,16 @@ class Reconciler:
     async def _reconcile_reporting(self, engine: Mapping[str, Any]) -> list[str]:
         meta = engine["metadata"]
         try:
-            return await self._reconcile(engine)
+            problems = await self._reconcile(engine)
         except kube.ApiError as error:
+            self._on_pass(False)
             kopf.warn(_about(engine), reason=status.RECONCILE_FAILED, message=str(error))
             if error.permanent:
                 await self.refresh_status(meta["namespace"], meta["name"], failure=str(error))
             raise
+        # A missing tenant key is the user's to fix (status and an Event say so): the pass went through.
+        self._on_pass(True)
+        return problems
 
     async def _reconcile(self, engine: Mapping[str, Any]) -> list[str]:
         keys, problems = await self.tenant_keys(engine)

@@ -246,13 +246,22 @@ def pod_disruption_budget(engine: Mapping[str, Any]) -> Manifest:
     })
 
 
+# Every series of an engine's pods and routers gets `engine` and `component` (engine or router)
+# from the pod's labels: the chart's dashboard and alerts select and group by them.
+SCRAPE_RELABELINGS = [
+    {"sourceLabels": [f"__meta_kubernetes_pod_label_{label.replace('.', '_').replace('/', '_')}"],
+     "targetLabel": target}
+    for label, target in ((naming.INSTANCE_LABEL, "engine"), (naming.COMPONENT_LABEL, "component"))
+]
+
+
 def service_monitor_for(engine: Mapping[str, Any]) -> Manifest:
     name = engine["metadata"]["name"]
     # With routing, the engines' Service and the routers': the control loop reads both.
     selector = naming.instance_labels(name) if routed(engine) else naming.selector_labels(name)
     return owned(engine, "monitoring.coreos.com/v1", "ServiceMonitor", name, spec={
         "selector": {"matchLabels": selector},
-        "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": copy.deepcopy(SCRAPE_RELABELINGS)}],
     })
 
 

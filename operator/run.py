@@ -43,6 +43,7 @@ def run_operator(
     namespaces: Sequence[str],
     clusterwide: bool,
     liveness_endpoint: str | None,
+    metrics_endpoint: str | None,
     log_level: str,
     log_format: str,
     leader_election: LeaderElection | None = None,
@@ -61,6 +62,7 @@ def run_operator(
         namespaces=list(namespaces),
         clusterwide=clusterwide,
         liveness_endpoint=liveness_endpoint,
+        memo=kopf.Memo(metrics_endpoint=metrics_endpoint),
     )
     if leader_election is None:
         asyncio.run(operator())

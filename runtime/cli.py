@@ -8,6 +8,7 @@ import functools
 import os
 import re
 import sys
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -120,6 +121,19 @@ def _namespace(text: str) -> str:
     return text
 
 
+def _http_endpoint(text: str) -> str:
+    if not text:
+        return text
+    address = urllib.parse.urlsplit(text)
+    try:
+        port = address.port
+    except ValueError:
+        port = None
+    if address.scheme != "http" or not address.hostname or port is None:
+        raise argparse.ArgumentTypeError(f"must look like http://HOST:PORT/PATH, got {text!r}")
+    return text
+
+
 def _add_operator(commands: argparse._SubParsersAction) -> None:
     # Spelled out rather than imported from kvpilot.operator.run, which imports kopf: the other
     # subcommands must not need it.
@@ -138,6 +152,10 @@ def _add_operator(commands: argparse._SubParsersAction) -> None:
     sub.add_argument(
         "--liveness-endpoint", metavar="URL", default="http://0.0.0.0:8080/healthz",
         help="where to serve the liveness probe; empty to serve none",
+    )
+    sub.add_argument(
+        "--metrics-endpoint", metavar="URL", type=_http_endpoint, default="http://0.0.0.0:8081/metrics",
+        help="where to serve the operator's own Prometheus metrics; empty to serve none",
     )
     sub.add_argument("--log-level", choices=("debug", "info", "warning"), default="info")
     sub.add_argument("--log-format", choices=("full", "plain", "json"), default="full")
@@ -186,6 +204,7 @@ def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         namespaces=args.namespaces or [],
         clusterwide=args.all_namespaces,
         liveness_endpoint=args.liveness_endpoint or None,
+        metrics_endpoint=args.metrics_endpoint or None,
         log_level=args.log_level,
         log_format=args.log_format,
         leader_election=_leader_election(args, parser),

@@ -96,9 +96,11 @@ def build_app(config: RouterConfig, state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvpilot router", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    # The metrics are made with the fleet, when the app starts, before any request arrives.
     app.add_middleware(AdmissionMiddleware, state=state,
                        authenticator=Authenticator(config.api_key, config.tenants, config.trust_tenant_header),
-                       tenants=config.tenants)
+                       tenants=config.tenants,
+                       count_response=lambda status, tenant: parts["metrics"].http_responses.count(status, tenant))
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes, timeout_s=limits.body_timeout_s)
 
     async def generate(request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Response:

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from kvpilot.runtime.router.picking import ReplicaState
 from kvpilot.runtime.router.replicas import Fleet
+from kvpilot.runtime.server.http_responses import HttpResponses
 
 
 class RouterMetrics:
@@ -35,10 +36,14 @@ class RouterMetrics:
                                      "--hold-timeout", registry=self.registry)
         self.slow_clients = Counter("kvpilot:router_slow_clients", "streams ended because their client stopped "
                                     "reading", registry=self.registry)
+        self.http_responses = HttpResponses(self.registry)
         self.registry.register(_FleetCollector(fleet))
 
     def picked(self, state: ReplicaState) -> None:
         self.picks.labels(state.name).inc()
+        # A replica's retries and resumes are shown from its first pick, at 0 until they happen.
+        self.retries.labels(state.name)
+        self.resumes.labels(state.name)
         if state.prefix_blocks:
             self.predicted_hit_blocks.labels(state.name).inc(state.prefix_blocks)
 

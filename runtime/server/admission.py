@@ -1,7 +1,8 @@
 """The door every request passes: 503 while draining or dead, or on a connection of the reserve
 beyond --max-connections (connections.py), 401 without a valid key; it counts
-requests in flight for the SIGTERM drain, and releases the sequences a request took from its
-tenant's limit (429 beyond it) when the response ends.
+requests in flight for the SIGTERM drain, and every answer by tenant and status
+(http_responses.py), and releases the sequences a request took from its tenant's limit (429
+beyond it) when the response ends.
 
 A plain ASGI middleware, so that it sees a streamed response to its very end: the tenant's
 sequences and the in-flight count are released when the last byte is sent or the client goes away.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -66,11 +68,14 @@ class TenantSequences:
 
 class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, state: ServerState, authenticator: Authenticator,
-                 tenants: TenantRegistry | None) -> None:
+                 tenants: TenantRegistry | None,
+                 count_response: Callable[[int, Tenant | None], None] = lambda status, tenant: None) -> None:
+        """`count_response(status, tenant)` hears the status of every answer it lets through or gives."""
         self.app = app
         self.state = state
         self.authenticator = authenticator
         self.tenants = tenants
+        self.count_response = count_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OBSERVATION_PATHS:
@@ -79,6 +84,7 @@ class AdmissionMiddleware:
         try:
             tenant = self._admit(scope)
         except APIError as err:
+            self.count_response(err.status_code, None)
             await err.response()(scope, receive, send)
             return
         sequences = TenantSequences(self.tenants, tenant)
@@ -90,6 +96,7 @@ class AdmissionMiddleware:
             nonlocal response_started, streaming
             if message["type"] == "http.response.start":
                 response_started = True
+                self.count_response(message["status"], tenant)
                 streaming = Headers(raw=message.get("headers", [])).get("content-type", "").startswith(
                     "text/event-stream")
             await send(message)
@@ -104,7 +111,7 @@ class AdmissionMiddleware:
             asyncio.current_task().uncancel()
             error = APIError(503, "the server shut down before this request finished", code="shutting_down")
             if not response_started:
-                await error.response()(scope, receive, send)
+                await error.response()(scope, receive, tracking_send)
             elif streaming:
                 # A stream ends with an error event, so the client knows its answer is cut short.
                 with contextlib.suppress(RuntimeError, OSError):

@@ -91,7 +91,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
     app.add_exception_handler(EngineDeadError, engine_dead)
     app.add_middleware(AdmissionMiddleware, state=state,
                        authenticator=Authenticator(config.api_key, config.tenants, config.trust_tenant_header),
-                       tenants=config.tenants)
+                       tenants=config.tenants, count_response=metrics.http_responses.count)
     # Outermost: an oversized body is refused before anything else looks at the request.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_body_bytes,
                        timeout_s=config.limits.body_timeout_s)

@@ -11,6 +11,12 @@ byte at a time, or never. And Linux grows a socket's send buffer up to `tcp_wmem
 (4 MiB by default) for a client that does not read: a bound keeps that memory small, and makes
 such a client's stall visible to the server (streaming.py) after little output.
 
+A request refused before its body was read (413, 408) gets its answer, and then a lingering close
+as nginx does it: the server shuts its side, then reads and drops what the client still sends,
+for a bounded time, before it closes. A plain close with unread data resets the connection, and a
+reset makes the client's kernel drop what it has not delivered yet, the answer included: the client
+would see a connection reset while still sending, and never the 413 that explains it.
+
 A response that is complete on the server's side may still sit in the connection's buffer, for
 a client that does not read: uvicorn then closes the connection (after --timeout-keep-alive, or at
 once for `Connection: close`), and a close waits for the buffer to drain, which for that client is
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import struct
 
@@ -45,6 +52,10 @@ OBSERVATION_RESERVE = 8
 # An ASGI scope extension, set on the request of a connection in that reserve.
 OVER_CAPACITY = "kvpilot.over_capacity"
 _CLOSE = (b"connection", b"close")
+# A lingering close (nginx's lingering_time and lingering_timeout): how long the server goes on
+# dropping a refused body in all, and how long it waits for the next piece of it.
+LINGERING_TIME_S = 30.0
+LINGERING_TIMEOUT_S = 5.0
 
 
 def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
@@ -52,10 +63,14 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
     header_timeout_s, max_connections = limits.header_timeout_s, limits.max_connections
     send_buffer_bytes, stall_timeout_s = limits.socket_send_buffer_bytes, limits.stream_stall_timeout_s
 
+    # The sockets in a lingering close: no longer connections, but bounded as they are.
+    lingering: set[asyncio.Task] = set()
+
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _unsent_timer: asyncio.TimerHandle | None = None
         _over_capacity = False
+        _linger = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -90,6 +105,8 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
                 self._header_timer = None
 
         def on_response_complete(self) -> None:
+            # Closing, with the client still sending the body the answer refused.
+            self._linger = self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY
             super().on_response_complete()
             if self._unsent_timer is None:
                 self._watch_unsent(None)
@@ -117,6 +134,15 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
             for timer in (self._header_timer, self._unsent_timer):
                 if timer is not None:
                     timer.cancel()
+            if self._linger and exc is None and len(lingering) < max_connections:
+                # The transport has sent all it had and closes its socket after this call: a copy
+                # of the descriptor keeps the connection open for the lingering close.
+                sock = self.transport.get_extra_info("socket")
+                if sock is not None:
+                    copy = socket.socket(fileno=os.dup(sock.fileno()))
+                    task = self.loop.create_task(_lingering_close(copy))
+                    lingering.add(task)
+                    task.add_done_callback(lingering.discard)
             super().connection_lost(exc)
             # uvicorn drops its keep-alive timer only on a clean close: after a reset the timer
             # would hold the connection's objects for the whole --timeout-keep-alive (75 s).
@@ -138,3 +164,21 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
                 self.transport.close()
 
     return GuardedH11Protocol
+
+
+async def _lingering_close(sock: socket.socket) -> None:
+    """Shut the server's side of a connection, then drop what the client still sends until it
+    closes its side or the lingering time runs out; then close."""
+    loop = asyncio.get_running_loop()
+    try:
+        sock.setblocking(False)
+        sock.shutdown(socket.SHUT_WR)
+        async with asyncio.timeout(LINGERING_TIME_S):
+            while True:
+                async with asyncio.timeout(LINGERING_TIMEOUT_S):
+                    if not await loop.sock_recv(sock, 65536):
+                        return
+    except (OSError, TimeoutError):
+        pass
+    finally:
+        sock.close()

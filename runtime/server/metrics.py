@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpilot.runtime.config import SchedulingPolicy
+from kvpilot.runtime.server.http_responses import HttpResponses
 
 if TYPE_CHECKING:
     from kvpilot.runtime.engine.output_processor import FinishedRequestStats
@@ -97,6 +98,7 @@ class ServerMetrics:
             self._request_success.labels(model_name, reason)
         self._tenant_requests = Counter("kvpilot:tenant_requests", "Finished requests (choices) per tenant.",
                                         ["model_name", "tenant", "finished_reason"], registry=registry)
+        self.http_responses = HttpResponses(registry)
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to the first token.",
                                              _TTFT_BUCKETS)

@@ -43,10 +43,10 @@ TINY_ARGS = {
                          "--threads", "1"],
     "kv_events_cost.py": ["--num-prompts", "4", "--new-tokens", "2", "--max-num-seqs", "2", "--repeats", "1"],
     "router_overhead.py": ["--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--max-concurrency", "2",
-                           "--repetitions", "1"],
+                           "--repetitions", "1", "--idle-window", "0.1"],
     "router_prefix_ttft.py": ["--conversations", "2", "--turns", "2", "--words-first-turn", "20",
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
-                              "--repetitions", "1"],
+                              "--repetitions", "1", "--idle-window", "0.1"],
 }
 MODEL_FREE = {"kernels.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a

@@ -24,6 +24,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from kvpilot.kernels.lora import lora_apply
 from kvpilot.kernels.paged_attention import paged_attention
 from kvpilot.kernels.reshape_and_cache import reshape_and_cache
 from kvpilot.kernels.rms_norm import rms_norm
@@ -90,6 +91,9 @@ def main() -> int:
     rotary_embedding(meta(256, dtype=torch.int64), qkv[:, :4096].view(256, 32, 128),
                      qkv[:, 4096:5120].view(256, 8, 128), meta(4096, 128, dtype=torch.float32)[:, :64],
                      meta(4096, 128, dtype=torch.float32)[:, :64])
+    # Four adapters of rank 16 on a Llama-3-8B q projection, for a decode batch of 64 rows.
+    lora_apply(meta(64, 4096), meta(64, 4096), meta(4, 16, 4096), meta(4, 4096, 16),
+               meta(64, dtype=torch.int64), meta(4, dtype=torch.float32))
     for fn, args, kwargs in launches:
         kernel = compile_launch(fn, args, kwargs, target)
         assert kernel.asm["cubin"], fn.__name__

@@ -11,6 +11,7 @@ import base64
 import contextlib
 import copy
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -91,6 +92,13 @@ async def created(k: Cluster, spec: dict[str, Any] = SPEC) -> dict[str, Any]:
     await k.create_secret("prod-key", {"api-key": key("sk-prod")})
     await k.create_engine("qwen", spec)
     return await eventually(lambda: k.deployment("qwen"), "the Deployment")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for an endpoint the test starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run(scenario: Coroutine[Any, Any, T]) -> T:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,9 +31,3 @@ async def healthy(port: int) -> bool:
             return response.status == 200
     except aiohttp.ClientError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -18,8 +18,8 @@ import pytest
 from emulated_apiserver import Fault
 from fake_metrics import fake_metrics
 from kvpilot.operator import leader_election, run as operator_run
-from operator_harness import NAMESPACE, SPEC, Cluster, cluster, created, eventually, run, write_kubeconfig
-from operator_process import free_port, healthy, start
+from operator_harness import NAMESPACE, SPEC, Cluster, cluster, created, eventually, free_port, run, write_kubeconfig
+from operator_process import healthy, start
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -82,7 +82,10 @@ def test_service_monitor_only_where_its_api_exists() -> None:
     assert "ServiceMonitor" not in children(engine(), monitor=False)
     monitor = children(engine(), monitor=True)["ServiceMonitor"]
     assert monitor["spec"]["selector"]["matchLabels"] == naming.selector_labels("llama")
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": [
+        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "engine"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"], "targetLabel": "component"},
+    ]}]
 
 
 def test_every_child_is_owned_and_labelled() -> None:

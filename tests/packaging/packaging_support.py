@@ -10,6 +10,7 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
+import prometheus_operator_schemas
 from crd_validation import REPO, errors, with_defaults
 from helm_cli import CHART
 
@@ -34,9 +35,11 @@ KUBERNETES_VERSION = oldest_kubernetes()
 def validate(manifest: dict[str, Any]) -> None:
     """Fail unless the API server would accept `manifest`: built-in kinds against the Kubernetes
     schemas (strict: unknown fields are errors), InferenceEngines against the CRD's own schema
-    and CEL rules."""
+    and CEL rules, the Prometheus Operator's kinds against its schemas."""
     if manifest["apiVersion"].startswith("kvpilot.dev/"):
         assert errors(with_defaults(manifest)) == [], manifest["metadata"]["name"]
+    elif manifest["apiVersion"].startswith("monitoring.coreos.com/"):
+        assert prometheus_operator_schemas.errors([manifest]) == [[]], manifest["metadata"]["name"]
     else:
         kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
 

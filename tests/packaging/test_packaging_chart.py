@@ -65,8 +65,8 @@ def test_default_render(default: list[Manifest]) -> None:
 
 def test_full_render(full: list[Manifest]) -> None:
     assert sorted(m["kind"] for m in full) == [
-        "CustomResourceDefinition", "Deployment", "InferenceEngine", "PodDisruptionBudget", "Role", "Role", "Role",
-        "RoleBinding", "RoleBinding", "RoleBinding", "ServiceAccount",
+        "ConfigMap", "CustomResourceDefinition", "Deployment", "InferenceEngine", "PodDisruptionBudget", "PodMonitor",
+        "PrometheusRule", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding", "ServiceAccount",
     ]
     for manifest in full:
         validate(manifest)
@@ -128,12 +128,12 @@ def operator_settings(manifests: list[Manifest], monkeypatch: pytest.MonkeyPatch
 def test_operator_command_line(default: list[Manifest], full: list[Manifest], monkeypatch: pytest.MonkeyPatch) -> None:
     assert operator_settings(default, monkeypatch) == {
         "namespaces": [], "clusterwide": True, "liveness_endpoint": "http://0.0.0.0:8080/healthz",
-        "log_level": "info", "log_format": "full",
+        "metrics_endpoint": "http://0.0.0.0:8081/metrics", "log_level": "info", "log_format": "full",
         "leader_election": LeaderElection("kvpilot", "kvpilot-system", LeaseSettings(15, 10, 2)),
     }
     assert operator_settings(full, monkeypatch) == {
         "namespaces": ["ml", "serving"], "clusterwide": False, "liveness_endpoint": "http://0.0.0.0:9090/healthz",
-        "log_level": "debug", "log_format": "json",
+        "metrics_endpoint": "http://0.0.0.0:9091/metrics", "log_level": "debug", "log_format": "json",
         "leader_election": LeaderElection("llm-operator", FULL_NAMESPACE, LeaseSettings(30, 20, 4)),
     }
 

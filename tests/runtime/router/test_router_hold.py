@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from server_harness import HTTP_TIMEOUT_S, TENANT_KEYS, assert_openai_error, start_server, wait_until
+from server_harness import (HTTP_TIMEOUT_S, TENANT_KEYS, assert_openai_error, send_whole_body_over_the_limit,
+                            start_server, wait_until)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,6 +87,8 @@ def test_past_the_hold_timeout_a_503_with_retry_after(tiny_llama_dir, tmp_path):
         # Bad input is still refused at once, held or not.
         assert_openai_error(httpx.post(f"{router.base_url}/v1/completions", content=b"{not json",
                                        timeout=HTTP_TIMEOUT_S), 400)
+        # A body over the limit gets its 413 through a lingering close, as from kvpilot serve.
+        assert send_whole_body_over_the_limit(router.base_url).startswith(b"HTTP/1.1 413")
         health = httpx.get(f"{router.base_url}/health", timeout=HTTP_TIMEOUT_S)
         assert health.status_code == 200 and health.json()["replicas_ready"] == 0
     finally:

@@ -65,6 +65,8 @@ def test_a_tenant_limited_to_4_runs_at_most_4_across_two_routers(tiny_llama_dir,
         watcher.join(HTTP_TIMEOUT_S)
         assert statuses.count(200) == LIMIT, statuses
         assert statuses.count(429) == 16 - LIMIT, statuses
+        # The routers count what they refused, by tenant.
+        assert sum(r.metric("kvpilot:http_responses_total", tenant="limited", code="429") for r in routers) == 16 - LIMIT
         # The gold request ran beside the limited ones, at most LIMIT of which ever ran at once.
         assert running_peak <= LIMIT + 1, running_peak
     finally:

@@ -187,6 +187,24 @@ class RawRequest:
         self.sock.close()
 
 
+def send_whole_body_over_the_limit(base_url: str, headers: bytes = b"", body_bytes: int = 20 * 1024 * 1024) -> bytes:
+    """POST a body the server refuses on its declared length, sending all of it anyway as common
+    clients do, then read the answer up to the server's FIN. Without a lingering close the server
+    resets the connection under the writes (BrokenPipeError or ConnectionResetError here)."""
+    url = httpx.URL(base_url)
+    with socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + headers + b"Content-Length: %d\r\n\r\n" % body_bytes)
+        piece = b"x" * 65536
+        for _ in range(body_bytes // len(piece)):
+            sock.sendall(piece)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    return answer
+
+
 def parse_http_response(data: bytes) -> tuple[int, dict]:
     """(status, JSON body) of a whole HTTP/1.1 response with a Content-Length."""
     head, _, body = data.partition(b"\r\n\r\n")

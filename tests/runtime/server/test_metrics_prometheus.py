@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvpilot.operator import metrics, samples
-from prometheus_server import PrometheusServer, Target, fetch_prometheus, scrape_config
+from prometheus_server import PrometheusServer, Target, fetch_prometheus, scrape_config, scrape_job
 from server_harness import HTTP_TIMEOUT_S, start_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,7 +42,8 @@ def prometheus(loaded_server, server, tmp_path_factory):
     binary = fetch_prometheus()
     targets = [Target(loaded_server.base_url.removeprefix("http://"), "ml", LOADED, "qwen"),
                Target(server.base_url.removeprefix("http://"), "ml", IDLE, "qwen")]
-    process = PrometheusServer(binary, tmp_path_factory.mktemp("prometheus"), scrape_config(targets, SCRAPE_INTERVAL))
+    config = scrape_config([scrape_job("kvpilot", targets, SCRAPE_INTERVAL)], SCRAPE_INTERVAL)
+    process = PrometheusServer(binary, tmp_path_factory.mktemp("prometheus"), config)
     yield process
     process.stop()
 

@@ -199,6 +199,7 @@ def test_admin_endpoint_needs_its_token_and_a_known_policy(http):
 
 
 def test_a_tenant_over_its_concurrency_limit_gets_429(tenant_server, http):
+    before = tenant_server.metrics()
     body = {"prompt": "held", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body, headers=_tenant("limited")) as held:
         assert held.status_code == 200
@@ -209,6 +210,13 @@ def test_a_tenant_over_its_concurrency_limit_gets_429(tenant_server, http):
         assert http.post("/v1/completions", json=SMALL, headers=_tenant("gold")).status_code == 200
     wait_until(lambda: tenant_server.metric("vllm:num_requests_running") == 0, what="the held request to end")
     assert http.post("/v1/completions", json=SMALL, headers=_tenant("limited")).status_code == 200
+    assert_openai_error(http.post("/v1/completions", json=SMALL, headers={"Authorization": "Bearer nobody"}), 401)
+    # Every answer is counted by tenant and status; a refused key names no tenant.
+    after = tenant_server.metrics()
+    counted = {(tenant, code): sum_samples(after, "kvpilot:http_responses_total", tenant=tenant, code=code)
+               - sum_samples(before, "kvpilot:http_responses_total", tenant=tenant, code=code)
+               for tenant, code in (("limited", "200"), ("limited", "429"), ("gold", "200"), ("", "401"))}
+    assert counted == {("limited", "200"): 2, ("limited", "429"): 1, ("gold", "200"): 1, ("", "401"): 1}
 
 
 def test_a_batch_of_prompts_counts_one_sequence_per_choice(http):

@@ -1,10 +1,12 @@
 """A real Prometheus server for the tests: Debian's `prometheus` package, fetched once into
 .cache/ with `apt-get download` and unpacked with `dpkg-deb -x` (no root, nothing installed),
-run on 127.0.0.1 with a scrape configuration of the test's choosing. Every wait is bounded.
+run on 127.0.0.1 with a scrape configuration of the test's choosing. Every wait is bounded. The
+package's `promtool` checks and unit-tests the chart's alerting rules.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -18,7 +20,7 @@ import yaml
 
 from cached_tool import fetch_once
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "prometheus-deb"
 PACKAGE = "prometheus"
 FETCH_TIMEOUT = 300  # seconds for apt-get download (about 20 MB)
@@ -28,6 +30,10 @@ STARTUP_TIMEOUT = 60
 def fetch_prometheus() -> Path:
     """The prometheus binary, downloaded and unpacked on first use; later calls reuse the cache."""
     return fetch_once(CACHE / "usr" / "bin" / "prometheus", CACHE, _unpack)
+
+
+def fetch_promtool() -> Path:
+    return fetch_once(CACHE / "usr" / "bin" / "promtool", CACHE, _unpack)
 
 
 def _unpack(scratch: Path) -> Path:
@@ -54,28 +60,43 @@ class Target:
     namespace: str
     pod: str
     service: str
+    # The pod's own labels, which a monitor's relabelings may copy (as __meta_kubernetes_pod_label_*).
+    pod_labels: tuple[tuple[str, str], ...] = ()
 
 
-def scrape_config(targets: list[Target], interval: str) -> dict:
-    """Static targets relabelled as the Prometheus Operator relabels a ServiceMonitor's
-    endpoints: the namespace, pod and service come from __meta_kubernetes_* labels."""
-    meta = {"namespace": "__meta_kubernetes_namespace", "pod": "__meta_kubernetes_pod_name",
-            "service": "__meta_kubernetes_service_name"}
+# The labels the Prometheus Operator gives every target of a ServiceMonitor or PodMonitor.
+_META = {"namespace": "__meta_kubernetes_namespace", "pod": "__meta_kubernetes_pod_name",
+         "service": "__meta_kubernetes_service_name"}
+
+
+def scrape_job(name: str, targets: list[Target], interval: str, *, relabelings: list[dict] = (),
+               honor_labels: bool = False) -> dict:
+    """Static targets relabelled as the Prometheus Operator relabels a monitor's endpoints: the
+    namespace, pod and service come from __meta_kubernetes_* labels, then the monitor's own
+    `relabelings` (as a ServiceMonitor spells them) apply."""
     return {
-        "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "scrape_configs": [{
-            "job_name": "kvpilot",
-            "scrape_interval": interval,
-            "scrape_timeout": interval,
-            "static_configs": [
-                {"targets": [t.address], "labels": {meta[label]: getattr(t, label) for label in meta}}
-                for t in targets
-            ],
-            "relabel_configs": [
-                {"source_labels": [source], "target_label": label} for label, source in meta.items()
-            ],
-        }],
+        "job_name": name,
+        "scrape_interval": interval,
+        "scrape_timeout": interval,
+        "honor_labels": honor_labels,
+        "static_configs": [
+            {"targets": [t.address], "labels": {
+                **{_META[label]: getattr(t, label) for label in _META},
+                **{f"__meta_kubernetes_pod_label_{re.sub('[^a-zA-Z0-9_]', '_', key)}": value
+                   for key, value in t.pod_labels},
+            }}
+            for t in targets
+        ],
+        "relabel_configs": [
+            *({"source_labels": [source], "target_label": label} for label, source in _META.items()),
+            *({"source_labels": r["sourceLabels"], "target_label": r["targetLabel"]} for r in relabelings),
+        ],
     }
+
+
+def scrape_config(jobs: list[dict], interval: str) -> dict:
+    """A Prometheus configuration that scrapes `jobs` (scrape_job) and evaluates every `interval`."""
+    return {"global": {"scrape_interval": interval, "evaluation_interval": interval}, "scrape_configs": jobs}
 
 
 class PrometheusServer:

@@ -1,0 +1,62 @@
+/* LoRA for a batch that mixes adapters, float32 (kernels/lora.py states the operation and holds
+ * its torch reference): for each row t whose slot s = slots[t] is not -1,
+ *     y[t] += scales[s] * (x[t] . lora_a[s]^T) . lora_b[s]^T
+ * in two passes: a shrink to each row's rank, then an expand to the output columns.
+ *
+ * Built by build.py; called through lora.py, which checks shapes, dtypes and slots (and so does
+ * this file, for the slots: a wrong index must not read another process's memory). lora_a is
+ * [slots, rank, in] and lora_b [slots, out, rank], contiguous; x and y come with row strides.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Below this many multiply-adds a parallel region costs more than it saves. */
+#define PARALLEL_MIN 65536
+
+static inline float dot(const float *a, const float *b, int64_t n)
+{
+    float sum = 0.0f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+/* 0, or 1 for a slot out of range, 2 when out of memory. */
+int lora_apply_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, const float *lora_a,
+                   const float *lora_b, const int64_t *slots, const float *scales, int64_t tokens,
+                   int64_t in, int64_t out, int64_t rank, int64_t num_slots, int threads)
+{
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots)
+            return 1;
+    float *shrunk = malloc((size_t)(tokens * rank > 0 ? tokens * rank : 1) * sizeof(float));
+    if (!shrunk)
+        return 2;
+    int parallel = threads > 1 && tokens * rank * (in + out) >= PARALLEL_MIN;
+
+    /* Each (row, rank) pair is one dot product over the input: independent, so both loops split. */
+    #pragma omp parallel for collapse(2) num_threads(threads) if (parallel)
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t j = 0; j < rank; j++) {
+            int64_t slot = slots[t];
+            if (slot < 0)
+                continue;
+            shrunk[t * rank + j] = dot(x + t * x_stride, lora_a + (slot * rank + j) * in, in) * scales[slot];
+        }
+    }
+
+    /* Split over output columns: a decode step has few rows and many columns. Each row's slot
+     * keeps its own lora_b rows, read along the rank (contiguous). */
+    #pragma omp parallel for num_threads(threads) if (parallel)
+    for (int64_t o = 0; o < out; o++) {
+        for (int64_t t = 0; t < tokens; t++) {
+            int64_t slot = slots[t];
+            if (slot < 0)
+                continue;
+            y[t * y_stride + o] += dot(shrunk + t * rank, lora_b + (slot * out + o) * rank, rank);
+        }
+    }
+    free(shrunk);
+    return 0;
+}
