@@ -27,7 +27,8 @@ from typing import Any, Protocol, cast
 import aiohttp
 import kopf
 
-from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, render_router, samples, status, tuning
+from kvpilot.operator import (autoscaler, control_memory, kube, metrics, naming, reconcile, render_router, samples,
+                              status, tuning)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class Interval:
 
 
 class Controller(Protocol):
+    memory: str  # its part of status.controlMemory (control_memory.py)
+
     def wants(self, spec: Mapping[str, Any]) -> bool:
         """Whether the engine needs this controller's step every interval."""
         ...
@@ -117,7 +120,10 @@ class ControlLoops:
         """One interval for one engine. Returns the seconds until the next, or None when no
         controller wants the engine any more."""
         engine = await self._client.get(kube.path(naming.API_VERSION, naming.KIND, namespace, name))
-        if engine is None or engine["metadata"].get("deletionTimestamp") or not self._wanted(engine):
+        if engine is None or engine["metadata"].get("deletionTimestamp"):
+            return None
+        await self._forget_unwanted(engine)
+        if not self._wanted(engine):
             return None
         spec = engine["spec"]
         seconds = spec["autoscaling"]["intervalSeconds"]
@@ -133,10 +139,22 @@ class ControlLoops:
         for controller in self.controllers:
             if controller.wants(spec):
                 await controller.step(interval)
-            else:
-                # Turned off while the loop goes on for another: if turned on again, it starts afresh.
-                controller.forget((namespace, name))
         return seconds
+
+    async def _forget_unwanted(self, engine: Mapping[str, Any]) -> None:
+        """Controllers turned off forget the engine, here and in status: turned on again, they
+        start afresh."""
+        key = (engine["metadata"]["namespace"], engine["metadata"]["name"])
+        off = [controller for controller in self.controllers if not controller.wants(engine["spec"])]
+        for controller in off:
+            controller.forget(key)
+        if control_memory.forgotten(engine.get("status"), [c.memory for c in off]) is None:
+            return
+
+        async def gone(fresh: Mapping[str, Any]) -> dict[str, Any]:
+            return control_memory.forgotten(fresh.get("status"), [c.memory for c in off]) or {}
+
+        await self._reconciler.update_status(*key, gone)
 
     def _wanted(self, engine: Mapping[str, Any]) -> bool:
         return any(controller.wants(engine["spec"]) for controller in self.controllers)
@@ -202,6 +220,8 @@ class Autoscaling:
     """The autoscaler's controller: decide, write spec.replicas through the scale subresource,
     post an Event per change, and record the reading and the conditions in status."""
 
+    memory = control_memory.AUTOSCALER
+
     def __init__(self, reconciler: reconcile.Reconciler) -> None:
         self._reconciler = reconciler
         self._history: dict[Key, tuple[tuple[float, int], ...]] = {}
@@ -218,8 +238,14 @@ class Autoscaling:
         engine = interval.engine
         meta, spec = engine["metadata"], engine["spec"]
         key = (meta["namespace"], meta["name"])
+        policy = autoscaler.Policy.from_spec(spec["autoscaling"])
+        if key not in self._history:
+            # Taken over, or restarted: go on from what the last operator left (control_memory.py).
+            restored = control_memory.restored_autoscaler(engine.get("status"), policy, now=interval.now)
+            if restored is not None:
+                self._history[key], self._memory[key] = restored
         decision = autoscaler.decide(
-            autoscaler.Policy.from_spec(spec["autoscaling"]),
+            policy,
             spec["replicas"],
             [metrics.pod_name(pod) for pod in interval.ready],
             interval.starting,
@@ -243,6 +269,10 @@ class Autoscaling:
         now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)
 
         async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
-            return status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
+            new = status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
+            if new:
+                memory = control_memory.encoded_autoscaler(decision, interval.now)
+                new[control_memory.FIELD] = {control_memory.AUTOSCALER: memory}
+            return new
 
         await self._reconciler.update_status(*key, recorded)

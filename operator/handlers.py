@@ -71,7 +71,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     for resource in _CHILD_RESOURCES:
         settings.watching.label_selectors[resource] = f"{naming.MANAGED_BY_LABEL}={naming.FIELD_MANAGER}"
     settings.watching.chunk_size = LIST_CHUNK_SIZE
-    client = kube.Kube(settings)
+    # Tests shorten the API calls' timeout, to answer slower than it.
+    client = kube.Kube(settings, timeout=memo.get("api_timeout_seconds", kube.TIMEOUT_S))
     memo.exported = exported_metrics.OperatorMetrics()
     # `kvpilot operator --metrics-endpoint` (tests pass their own); none where it is empty.
     endpoint = memo.get("metrics_endpoint")

@@ -29,6 +29,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "Lease": "leases",
     naming.KIND: naming.PLURAL,
 }
 
@@ -41,15 +42,19 @@ _PERMANENT_STATUSES = frozenset({400, 422})
 # pass to succeed in a row.
 _TRANSIENT_STATUSES = frozenset({0, 409, 429, 500, 502, 503, 504})
 RETRY_DELAYS_S = (0.1, 0.2, 0.4)
-_TIMEOUT = aiohttp.ClientTimeout(total=30)
+# An API server that sends Retry-After (a 429 from API priority and fairness) is waited for, but
+# no longer than this: a pass that waits longer is better failed and retried with kopf's backoff.
+MAX_RETRY_AFTER_S = 10.0
+TIMEOUT_S = 30.0
 
 
 class ApiError(Exception):
     """A failed API call; `status` is 0 where no HTTP answer came back."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(f"{status} {reason}: {message}" if status else f"{reason}: {message}")
         self.status = status
+        self.retry_after = retry_after  # the seconds the API server asked to wait, if it did
 
     @property
     def permanent(self) -> bool:
@@ -75,8 +80,9 @@ def path_of(obj: Mapping[str, Any]) -> str:
 
 
 class Kube:
-    def __init__(self, settings: kopf.OperatorSettings) -> None:
+    def __init__(self, settings: kopf.OperatorSettings, *, timeout: float = TIMEOUT_S) -> None:
         self._settings = settings
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._server = ""
 
@@ -137,6 +143,25 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
+    async def create_once(self, obj: Mapping[str, Any], *, timeout: float) -> dict[str, Any]:
+        """Create `obj`, once, within `timeout` seconds: 409 means someone else made it first."""
+        url = path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], "").rstrip("/")
+        return await self._request_once(("POST", url, None, obj, "application/json"), timeout=timeout)
+
+    async def patch_once(self, url: str, patch: Mapping[str, Any], *, timeout: float) -> dict[str, Any]:
+        """A merge patch, once, within `timeout` seconds. A patch that names a resourceVersion is
+        refused with 409 unless the object is still that version: the caller decides again."""
+        return await self._request_once(("PATCH", url, None, patch, "application/merge-patch+json"), timeout=timeout)
+
+    async def get_once(self, url: str, *, timeout: float) -> dict[str, Any] | None:
+        """The object at `url` (None where there is none), asked once, within `timeout` seconds."""
+        try:
+            return await self._request_once(("GET", url, None, None, None), timeout=timeout)
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+
     async def serves(self, group_version: str, plural: str) -> bool:
         """Whether the cluster serves a resource, e.g. ServiceMonitors where their CRD is installed."""
         listing = await self.get(f"/apis/{group_version}")
@@ -158,15 +183,18 @@ class Kube:
             except ApiError as error:
                 if error.status not in _TRANSIENT_STATUSES:
                     raise
+                if error.retry_after is not None:
+                    delay = min(error.retry_after, MAX_RETRY_AFTER_S)
             await asyncio.sleep(delay)
         return await self._request_once(request)
 
-    async def _request_once(self, request: tuple) -> dict[str, Any]:
-        status, payload = await self._send(*request, fresh_login=False)
+    async def _request_once(self, request: tuple, *, timeout: float | None = None) -> dict[str, Any]:
+        limit = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
+        status, headers, payload = await self._send(*request, fresh_login=False, timeout=limit)
         if status == 401:
-            status, payload = await self._send(*request, fresh_login=True)
+            status, headers, payload = await self._send(*request, fresh_login=True, timeout=limit)
         if status >= 400:
-            raise _error(status, payload)
+            raise _error(status, payload, retry_after=_seconds(headers.get("Retry-After")))
         return json.loads(payload) if payload else {}
 
     async def _send(
@@ -178,15 +206,16 @@ class Kube:
         content_type: str | None,
         *,
         fresh_login: bool,
-    ) -> tuple[int, bytes]:
+        timeout: aiohttp.ClientTimeout,
+    ) -> tuple[int, Mapping[str, str], bytes]:
         session = await self._connect(fresh=fresh_login)
         headers = {"Content-Type": content_type} if content_type else {}
         data = json.dumps(body) if body is not None else None
         try:
             async with session.request(
-                method, self._server + url, params=params, data=data, headers=headers
+                method, self._server + url, params=params, data=data, headers=headers, timeout=timeout
             ) as response:
-                return response.status, await response.read()
+                return response.status, response.headers, await response.read()
         except (TimeoutError, aiohttp.ClientError) as error:
             raise ApiError(0, "ConnectionFailed", f"{method} {url}: {error!r}") from error
 
@@ -202,12 +231,19 @@ class Kube:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
             headers={"User-Agent": naming.FIELD_MANAGER, **info.as_http_headers()},
-            timeout=_TIMEOUT,
         )
         return self._session
 
 
-def _error(status: int, payload: bytes) -> ApiError:
+def _seconds(header: str | None) -> float | None:
+    """Retry-After in seconds (the API server never sends the HTTP-date form)."""
+    try:
+        return max(0.0, float(header)) if header is not None else None
+    except ValueError:
+        return None
+
+
+def _error(status: int, payload: bytes, *, retry_after: float | None = None) -> ApiError:
     """The API server's Status object, when the body is one."""
     try:
         details = json.loads(payload)
@@ -216,4 +252,4 @@ def _error(status: int, payload: bytes) -> ApiError:
     if not isinstance(details, dict):
         details = {}
     message = details.get("message") or payload[:500].decode(errors="replace")
-    return ApiError(status, details.get("reason") or "Error", message)
+    return ApiError(status, details.get("reason") or "Error", message, retry_after=retry_after)

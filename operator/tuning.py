@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import kopf
 
-from kvpilot.operator import engine_admin, kube, metrics, reconcile, render, tuner
+from kvpilot.operator import control_memory, engine_admin, kube, metrics, reconcile, render, tuner
 
 if TYPE_CHECKING:
     from kvpilot.operator.control import Interval, Key
@@ -27,12 +27,14 @@ CHANGED = "SchedulingPolicyChanged"
 
 
 class PolicyTuning:
+    memory = control_memory.TUNER
+
     def __init__(
         self, reconciler: reconcile.Reconciler, *, pod_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_url
     ) -> None:
         self._reconciler = reconciler
         self._pod_url = pod_url
-        # What each engine's last decision handed on; lost on restart, when status seeds it again.
+        # What each engine's last decision handed on; after a restart or a failover, status's.
         self._states: dict[Key, tuner.TunerState] = {}
 
     def wants(self, spec: Mapping[str, Any]) -> bool:
@@ -49,7 +51,7 @@ class PolicyTuning:
         depths = tuner.queue_depths(interval.reading, [metrics.pod_name(pod) for pod in interval.ready],
                                     now=interval.now, interval_seconds=seconds)
         decision = tuner.decide_policy(spec, can_scale=tuner.can_scale_further(spec), queue_depths=depths,
-                                       previous=self._states.get(key) or tuner.initial_state(engine),
+                                       previous=self._states.get(key) or _restored(engine, interval.now),
                                        now=interval.now)
         self._states[key] = decision.state
         if not depths and not spec["autoscaling"]["enabled"]:
@@ -57,11 +59,13 @@ class PolicyTuning:
             logger.warning(f"InferenceEngine {key[0]}/{key[1]}: no usable queue reading ({_unusable(interval)});"
                            f" keeping {decision.policy}")
         recorded = render.effective_scheduling_policy(engine)
-        if decision.policy != recorded:
-            async def effective(_: Mapping[str, Any]) -> dict[str, Any]:
-                return {"effectiveSchedulingPolicy": decision.policy}
 
-            await self._reconciler.update_status(*key, effective)
+        async def effective(_: Mapping[str, Any]) -> dict[str, Any]:
+            memory = control_memory.encoded_tuner(decision.state, interval.now)
+            return {"effectiveSchedulingPolicy": decision.policy, control_memory.FIELD: {control_memory.TUNER: memory}}
+
+        await self._reconciler.update_status(*key, effective)
+        if decision.policy != recorded:
             kopf.info(engine, reason=CHANGED, message=f"{recorded} -> {decision.policy}: {decision.message}")
         await self._keep_start_policy(engine, decision.policy)
         await self._bring_pods_in_line(engine, interval.ready, decision.policy, metrics.request_timeout(seconds))
@@ -95,6 +99,15 @@ class PolicyTuning:
                                f" (tried again next interval): {result.detail}")
             elif result.outcome == engine_admin.SWITCHED:
                 logger.info(f"InferenceEngine {name}: pod {result.pod} switched {result.detail}")
+
+
+def _restored(engine: Mapping[str, Any], now: float) -> tuner.TunerState:
+    """The state the last operator left in status (control_memory.py), where it agrees with the
+    effective policy recorded there; else a fresh start from that policy."""
+    restored = control_memory.restored_tuner(engine.get("status"), engine["spec"], now=now)
+    if restored is not None and restored.policy == render.effective_scheduling_policy(engine):
+        return restored
+    return tuner.initial_state(engine)
 
 
 def _unusable(interval: Interval) -> str:

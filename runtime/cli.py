@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Stdlib only: the engine's and the server's settings for `serve`, without torch or fastapi.
+from kvpilot.operator.leader_election import LeaderElection, LeaseSettings
 from kvpilot.operator.sim.cli import add_simulate
 from kvpilot.runtime.argtypes import DefaultsHelpFormatter, non_negative_float, positive_float, positive_int
 from kvpilot.runtime.benchmarks.cli import add_bench
@@ -158,7 +159,41 @@ def _add_operator(commands: argparse._SubParsersAction) -> None:
     )
     sub.add_argument("--log-level", choices=("debug", "info", "warning"), default="info")
     sub.add_argument("--log-format", choices=("full", "plain", "json"), default="full")
+    # Kubernetes' own components' flags (kube-controller-manager, controller-runtime managers).
+    election = sub.add_argument_group("leader election (several replicas, one acting at a time)")
+    election.add_argument("--leader-elect", action="store_true",
+                          help="act only while holding a coordination.k8s.io/v1 Lease; stand by otherwise")
+    election.add_argument("--leader-elect-resource-name", metavar="NAME", default="kvpilot-operator",
+                          help="the Lease's name")
+    election.add_argument("--leader-elect-resource-namespace", metavar="NS", type=_namespace,
+                          help="the Lease's namespace (default: the pod's, from its service account)")
+    election.add_argument("--leader-elect-lease-duration", metavar="SECONDS", type=positive_float, default=15.0,
+                          help="how long a standby waits after the Lease's last renewal before taking it")
+    election.add_argument("--leader-elect-renew-deadline", metavar="SECONDS", type=positive_float, default=10.0,
+                          help="how long the leader retries renewing before it stops acting")
+    election.add_argument("--leader-elect-retry-period", metavar="SECONDS", type=positive_float, default=2.0,
+                          help="how often the Lease is renewed, or tried by a standby")
     sub.set_defaults(handler=_operator, subparser=sub)
+
+
+_SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _leader_election(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LeaderElection | None:
+    """The operator's LeaderElection, or None without --leader-elect; a usage error where the
+    settings cannot keep two leaders apart, or no namespace is known."""
+    if not args.leader_elect:
+        return None
+    settings = LeaseSettings(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                             args.leader_elect_retry_period)
+    if problems := settings.problems():
+        parser.error("; ".join(problems))
+    namespace = args.leader_elect_resource_namespace
+    if namespace is None and _SERVICE_ACCOUNT_NAMESPACE.exists():
+        namespace = _SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    if not namespace:
+        parser.error("--leader-elect needs --leader-elect-resource-namespace outside a pod")
+    return LeaderElection(args.leader_elect_resource_name, namespace, settings)
 
 
 def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -172,6 +207,7 @@ def _operator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         metrics_endpoint=args.metrics_endpoint or None,
         log_level=args.log_level,
         log_format=args.log_format,
+        leader_election=_leader_election(args, parser),
     )
     return 0
 

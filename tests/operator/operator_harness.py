@@ -123,9 +123,10 @@ async def eventually(probe: Callable[[], Any], what: str, timeout: float = WAIT_
 class Cluster:
     """What a test does to the cluster, as kubectl or a controller would."""
 
-    def __init__(self, server: EmulatedApiServer, session: aiohttp.ClientSession) -> None:
+    def __init__(self, server: EmulatedApiServer, session: aiohttp.ClientSession, url: str) -> None:
         self.server = server
         self.session = session
+        self.url = url
 
     def object(self, resource: str, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
         address = (kmock.resource(resource), namespace, name)
@@ -242,19 +243,12 @@ async def cluster(tmp_path: Path, *, service_monitors: bool = False) -> AsyncIte
     server.start()
     await asyncio.to_thread(server.started.wait, WAIT_TIMEOUT)
     assert server.url, "the emulated API server did not start"
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: emulated, cluster: {{server: '{server.url}'}}}}]\n"
-        "users: [{name: tester, user: {}}]\n"
-        "contexts: [{name: test, context: {cluster: emulated, user: tester}}]\n"
-        "current-context: test\n"
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", server.url)
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(kubeconfig)
     try:
         async with aiohttp.ClientSession(base_url=server.url, headers={"User-Agent": TEST_CLIENT}) as session:
-            yield Cluster(server.api, session)
+            yield Cluster(server.api, session, server.url)
     finally:
         if previous is None:
             del os.environ["KUBECONFIG"]
@@ -262,6 +256,19 @@ async def cluster(tmp_path: Path, *, service_monitors: bool = False) -> AsyncIte
             os.environ["KUBECONFIG"] = previous
         server.stop()
         await asyncio.to_thread(server.join, WAIT_TIMEOUT)
+
+
+def write_kubeconfig(path: Path, url: str, token: str | None = None) -> Path:
+    """A kubeconfig for the emulated API server; a `token` tells this client's requests apart."""
+    user = f"{{token: {token}}}" if token else "{}"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: emulated, cluster: {{server: '{url}'}}}}]\n"
+        f"users: [{{name: tester, user: {user}}}]\n"
+        "contexts: [{name: test, context: {cluster: emulated, user: tester}}]\n"
+        "current-context: test\n"
+    )
+    return path
 
 
 class _ServerThread(threading.Thread):
@@ -365,6 +372,7 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
         **{resource: (kind, set()) for kind, resource in ROUTER_KINDS.items()},
         "v1/pods": ("Pod", {"status"}),
         "v1/events": ("Event", set()),
+        "coordination.k8s.io/v1/leases": ("Lease", set()),
     }
     if service_monitors:
         declared[CHILDREN["ServiceMonitor"]] = ("ServiceMonitor", set())

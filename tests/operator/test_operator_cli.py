@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.operator.leader_election import LeaderElection, LeaseSettings
 from kvpilot.runtime import cli
 from operator_harness import WAIT_TIMEOUT, cluster, created, eventually, free_port, run
-
-KVPILOT = Path(sys.executable).parent / "kvpilot"
+from operator_process import healthy, start
 
 
 def test_a_namespace_scope_is_required(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,17 +45,35 @@ def test_a_metrics_endpoint_that_is_no_http_address_is_refused(capsys: pytest.Ca
 @pytest.mark.parametrize(("argv", "expected"), [
     (["-n", "ml", "--namespace", "serving"],
      {"namespaces": ["ml", "serving"], "clusterwide": False, "liveness_endpoint": "http://0.0.0.0:8080/healthz",
-      "metrics_endpoint": "http://0.0.0.0:8081/metrics", "log_level": "info", "log_format": "full"}),
+      "metrics_endpoint": "http://0.0.0.0:8081/metrics", "log_level": "info", "log_format": "full",
+      "leader_election": None}),
     (["--all-namespaces", "--liveness-endpoint", "", "--metrics-endpoint", "", "--log-level", "debug",
-      "--log-format", "json"],
+      "--log-format", "json", "--leader-elect", "--leader-elect-resource-namespace", "ops",
+      "--leader-elect-retry-period", "1"],
      {"namespaces": [], "clusterwide": True, "liveness_endpoint": None, "metrics_endpoint": None,
-      "log_level": "debug", "log_format": "json"}),
+      "log_level": "debug", "log_format": "json",
+      "leader_election": LeaderElection("kvpilot-operator", "ops", LeaseSettings(15, 10, 1))}),
 ])
 def test_flags_reach_the_operator(monkeypatch: pytest.MonkeyPatch, argv: list[str], expected: dict[str, Any]) -> None:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr("kvpilot.operator.run.run_operator", lambda **kwargs: calls.append(kwargs))
     assert cli.main(["operator", *argv]) == 0
     assert calls == [expected]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--leader-elect"], "--leader-elect needs --leader-elect-resource-namespace outside a pod"),
+    (["--leader-elect", "--leader-elect-resource-namespace", "ops", "--leader-elect-renew-deadline", "15"],
+     "must be shorter than the lease duration"),
+    (["--leader-elect-retry-period", "0"], "must be a positive number"),
+])
+def test_lease_settings_that_cannot_work_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str,
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["operator", "-n", "ml", *argv])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_the_operator_never_imports_torch() -> None:
@@ -70,15 +88,10 @@ def test_the_command_reconciles_and_serves_liveness_and_its_metrics(tmp_path: Pa
 
     async def scenario() -> None:
         async with cluster(tmp_path) as k:
-            with log.open("wb") as output:
-                process = await asyncio.create_subprocess_exec(
-                    str(KVPILOT), "operator", "--namespace", "ml",
-                    "--liveness-endpoint", f"http://127.0.0.1:{port}/healthz",
-                    "--metrics-endpoint", f"http://127.0.0.1:{metrics_port}/metrics",
-                    stdout=output, stderr=output,
-                )
+            process = await start(log, "--liveness-endpoint", f"http://127.0.0.1:{port}/healthz",
+                                  "--metrics-endpoint", f"http://127.0.0.1:{metrics_port}/metrics")
             try:
-                await eventually(lambda: _healthy(port), "the liveness endpoint", timeout=30)
+                await eventually(lambda: healthy(port), "the liveness endpoint", timeout=30)
                 await created(k)
                 # The engine's replicas as its watch events show them, and the pass that applied it.
                 shown = await eventually(lambda: _metrics_where(
@@ -93,15 +106,6 @@ def test_the_command_reconciles_and_serves_liveness_and_its_metrics(tmp_path: Pa
             assert process.returncode == 0, log.read_text()[-2000:]
 
     run(scenario())
-
-
-async def _healthy(port: int) -> bool:
-    try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{port}/healthz") as response:
-                return response.status == 200
-    except aiohttp.ClientError:
-        return False
 
 
 async def _metrics_where(port: int, holds: Callable[[dict[tuple[str, str], float]], bool]):

@@ -85,7 +85,7 @@ def test_schema_carries_every_design_field() -> None:
     status = engine_schema()["properties"]["status"]["properties"]
     assert set(status) == {
         "phase", "observedGeneration", "replicas", "readyReplicas", "desiredReplicas", "selector",
-        "endpoint", "effectiveSchedulingPolicy", "metrics", "lastScaleTime", "conditions",
+        "endpoint", "effectiveSchedulingPolicy", "metrics", "lastScaleTime", "controlMemory", "conditions",
     }
     assert set(status["metrics"]["properties"]) == {"kvCacheUsage", "queueDepth", "observedAt"}
     assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Degraded", "Failed"]

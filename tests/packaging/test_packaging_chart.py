@@ -17,6 +17,7 @@ import yaml
 from crd_validation import REPO
 from helm_cli import CHART, Helm
 from kvpilot.operator import pod_parts
+from kvpilot.operator.leader_election import LeaderElection, LeaseSettings
 from kvpilot.runtime import cli
 from packaging_support import FULL_NAMESPACE, FULL_VALUES, dockerfile_stage, validate
 
@@ -55,7 +56,8 @@ def test_helm_lint_passes(helm: Helm, values: list[str | Path]) -> None:
 
 def test_default_render(default: list[Manifest]) -> None:
     assert sorted(m["kind"] for m in default) == [
-        "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "ServiceAccount",
+        "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "PodDisruptionBudget",
+        "Role", "RoleBinding", "ServiceAccount",
     ]
     for manifest in default:
         validate(manifest)
@@ -63,8 +65,8 @@ def test_default_render(default: list[Manifest]) -> None:
 
 def test_full_render(full: list[Manifest]) -> None:
     assert sorted(m["kind"] for m in full) == [
-        "ConfigMap", "CustomResourceDefinition", "Deployment", "InferenceEngine", "PodMonitor", "PrometheusRule",
-        "Role", "Role", "RoleBinding", "RoleBinding", "ServiceAccount",
+        "ConfigMap", "CustomResourceDefinition", "Deployment", "InferenceEngine", "PodDisruptionBudget", "PodMonitor",
+        "PrometheusRule", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding", "ServiceAccount",
     ]
     for manifest in full:
         validate(manifest)
@@ -100,11 +102,15 @@ def test_every_option_has_a_default_and_shows_in_the_full_render(helm: Helm, tmp
             f"{'.'.join(path)} in {FULL_VALUES.name} changes nothing: set it to something other than its default"
 
 
-def test_one_operator_replaced_by_recreate(default: list[Manifest], full: list[Manifest]) -> None:
-    for manifests in (default, full):
-        spec = the(manifests, "Deployment")["spec"]
-        assert spec["replicas"] == 1, "the operator runs without peering: one replica only"
-        assert spec["strategy"] == {"type": "Recreate"}, "two operators must never overlap"
+def test_replicas_roll_one_at_a_time_behind_a_lease_and_a_budget(default: list[Manifest], full: list[Manifest]) -> None:
+    for manifests, replicas in ((default, 2), (full, 3)):
+        deployment = the(manifests, "Deployment")
+        assert deployment["spec"]["replicas"] == replicas
+        # The new pod first: there is always one to hold or take the Lease.
+        assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                                  "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        budget = the(manifests, "PodDisruptionBudget")
+        assert budget["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
 
 
 def operator_settings(manifests: list[Manifest], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -123,11 +129,26 @@ def test_operator_command_line(default: list[Manifest], full: list[Manifest], mo
     assert operator_settings(default, monkeypatch) == {
         "namespaces": [], "clusterwide": True, "liveness_endpoint": "http://0.0.0.0:8080/healthz",
         "metrics_endpoint": "http://0.0.0.0:8081/metrics", "log_level": "info", "log_format": "full",
+        "leader_election": LeaderElection("kvpilot", "kvpilot-system", LeaseSettings(15, 10, 2)),
     }
     assert operator_settings(full, monkeypatch) == {
         "namespaces": ["ml", "serving"], "clusterwide": False, "liveness_endpoint": "http://0.0.0.0:9090/healthz",
         "metrics_endpoint": "http://0.0.0.0:9091/metrics", "log_level": "debug", "log_format": "json",
+        "leader_election": LeaderElection("llm-operator", FULL_NAMESPACE, LeaseSettings(30, 20, 4)),
     }
+
+
+def test_the_lease_rights_are_those_of_one_lease_in_the_release_namespace(full: list[Manifest]) -> None:
+    role = next(r for r in by_kind(full, "Role") if r["metadata"]["name"] == "llm-operator-leader-election")
+    assert role["metadata"]["namespace"] == FULL_NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["llm-operator"],
+         "verbs": ["get", "patch"]},
+    ]
+    binding = next(b for b in by_kind(full, "RoleBinding") if b["metadata"]["name"] == role["metadata"]["name"])
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == the(full, "ServiceAccount")["metadata"]["name"]
 
 
 def test_liveness_probe_asks_the_operators_liveness_endpoint(
@@ -150,6 +171,11 @@ def test_runs_as_the_images_non_root_user_with_a_read_only_root(default: list[Ma
     assert security["capabilities"] == {"drop": ["ALL"]}
 
 
+def watch_rights(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    """The Roles or RoleBindings of the watched namespaces, not the Lease's."""
+    return [m for m in by_kind(manifests, kind) if not m["metadata"]["name"].endswith("-leader-election")]
+
+
 def test_rights_are_bound_cluster_wide_only_to_watch_every_namespace(
     default: list[Manifest], full: list[Manifest],
 ) -> None:
@@ -161,11 +187,11 @@ def test_rights_are_bound_cluster_wide_only_to_watch_every_namespace(
     binding = the(default, "ClusterRoleBinding")
     assert binding["subjects"] == [account(default)]
     assert binding["roleRef"]["name"] == the(default, "ClusterRole")["metadata"]["name"]
-    assert by_kind(default, "Role") == by_kind(default, "RoleBinding") == []
+    assert watch_rights(default, "Role") == watch_rights(default, "RoleBinding") == []
 
     assert by_kind(full, "ClusterRole") == by_kind(full, "ClusterRoleBinding") == []
-    roles = {role["metadata"]["namespace"]: role["metadata"]["name"] for role in by_kind(full, "Role")}
-    bindings = by_kind(full, "RoleBinding")
+    roles = {role["metadata"]["namespace"]: role["metadata"]["name"] for role in watch_rights(full, "Role")}
+    bindings = watch_rights(full, "RoleBinding")
     assert sorted(roles) == sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "serving"]
     for binding in bindings:
         assert binding["subjects"] == [account(full)]
