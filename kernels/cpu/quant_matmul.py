@@ -4,19 +4,33 @@ A `PackedWeight` is a [rows, cols] linear weight (rows = output features) whose 
 the file has them. `quant_matmul(x, w)` computes `x @ dequantize(w).T` with float32 activations
 and accumulation, the weights dequantized on the fly: equal to float32 matmul on the
 dequantized weights up to summation order. `reference_matmul` is that definition in torch.
+
+The C kernel (quant_matmul.c) is built per ISA level and picked at run time (isa.py): the best
+level this CPU and OS run, or `$KVPILOT_CPU_ISA`; `quant_matmul(..., isa=level)` asks for one
+level explicitly (tests run every level the machine can).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvpilot.kernels.cpu import isa as isa_levels
+from kvpilot.kernels.cpu.build import KernelBuildError
 from kvpilot.kernels.cpu.quant_formats import GGML_FORMATS, INT8, PACKED_TYPES, block_size, dequantize_rows
 
 __all__ = ["PACKED_TYPES", "PackedWeight", "from_gguf", "pack_int8", "dequantize", "embedding",
-           "reference_matmul", "quant_matmul"]
+           "reference_matmul", "quant_matmul", "runnable_isas", "chosen_isa"]
+
+SOURCE = Path(__file__).resolve().parent / "quant_matmul.c"
+SELF_CHECK = "quant_matmul_self_check"
+# The C source's type codes (its enum).
+QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, INT8: 8}
 
 
 @dataclass(frozen=True)
@@ -142,13 +156,49 @@ def reference_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return x.float() @ dequantize(weight).T
 
 
-def quant_matmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x float32 [M, cols] with contiguous rows -> float32 [M, rows] (into `out` when given)."""
+def runnable_isas() -> list[str]:
+    """The ISA levels the kernel runs at on this machine, best first."""
+    return isa_levels.runnable(SOURCE, SELF_CHECK)
+
+
+@functools.cache
+def chosen_isa() -> str:
+    """The level quant_matmul uses by default: `$KVPILOT_CPU_ISA`, else the best that runs here."""
+    return isa_levels.choose(SOURCE, SELF_CHECK)
+
+
+@functools.cache
+def _kernel(level: str):
+    reason = isa_levels.why_not(SOURCE, level, SELF_CHECK)
+    if reason:
+        raise KernelBuildError(f"the quantized matmul cannot run at ISA level {level!r}: {reason}")
+    function = ctypes.CDLL(str(isa_levels.library(SOURCE, level))).quant_matmul_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def build(level: str | None = None) -> None:
+    """Compiles, probes and loads the kernel now (at `level`, else the chosen one); raises KernelBuildError."""
+    _kernel(level or chosen_isa())
+
+
+def quant_matmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None, *,
+                 isa: str | None = None) -> torch.Tensor:
+    """x float32 [M, cols] with contiguous rows -> float32 [M, rows] (into `out` when given).
+    isa: an ISA level to run at instead of the chosen one."""
     _check_operands(x, weight, out)
-    result = reference_matmul(x, weight)
-    if out is None:
-        return result
-    return out.copy_(result)
+    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32) if out is None else out
+    scales = 0 if weight.scales is None else weight.scales.data_ptr()
+    # Every pointer is to rows already checked against the shapes; cols == 0 leaves out zero.
+    if weight.cols == 0:
+        return out.zero_()
+    (_kernel(isa or chosen_isa()))(
+        QTYPE_CODES[weight.qtype], weight.data.data_ptr(), weight.data.stride(0) * weight.data.element_size(),
+        scales, weight.rows, weight.cols, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
+        torch.get_num_threads())
+    return out
 
 
 def _check_operands(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None) -> None:
