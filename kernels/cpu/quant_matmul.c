@@ -18,19 +18,19 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
+/* Sixteen float32 lanes: one register at AVX-512, two at AVX2, four at the SSE2 baseline; GCC
+ * lowers the vector operations to whatever the level's flags enable. */
 #define VW 16
-#elif defined(__AVX2__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4)));
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16_unaligned __attribute__((vector_size(16), aligned(1)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define INLINE static inline __attribute__((always_inline))
 
 /* The type codes quant_matmul.py passes (its QTYPE_CODES). */
@@ -40,11 +40,11 @@ enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8, NUM_TYPES };
 #define GEMV_ROWS_PER_TASK 16
 #define TILE_ROWS 16
 #define TILE_COLS 1024
-#if VW == 16
+#if defined(__AVX512F__)
 #define MR 4
 #define NR 4
 #else
-#define MR 3
+#define MR 2
 #define NR 2
 #endif
 /* Below this many multiply-adds a parallel region costs more than it saves. */
@@ -71,7 +71,7 @@ INLINE float half_to_float(const uint8_t *p)
 {
     uint16_t h;
     memcpy(&h, p, 2);
-#if defined(__F16C__)
+#if defined(__F16C__) /* else: the bits rebuilt by hand, exact for every half including subnormals */
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
@@ -117,89 +117,113 @@ INLINE void k_scale_min(const uint8_t *s, int j, float *scale, float *min)
     }
 }
 
-/* One block of type t into w[block_size(t)], each weight as gguf's dequantizer computes it. */
-INLINE void dequantize_block(const int t, const uint8_t *restrict b, float row_scale, float *restrict w)
+INLINE u8x16 bytes16(const uint8_t *p) { return *(const u8x16_unaligned *)p; }
+
+/* 16 bytes (unsigned or signed) to 16 floats. GCC's generic conversion goes one lane at a time,
+ * so each level widens with its own instructions. */
+#if defined(__AVX512F__)
+INLINE vf to_float(u8x16 q) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q)); }
+INLINE vf to_float_signed(u8x16 q) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q)); }
+#elif defined(__AVX2__)
+INLINE vf join(__m256 lo, __m256 hi)
+{
+    vf v;
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+}
+INLINE vf to_float(u8x16 q)
+{
+    const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
+    return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(top)));
+}
+INLINE vf to_float_signed(u8x16 q)
+{
+    const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
+    return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(top)));
+}
+#elif defined(__SSE2__)
+/* Four vectors of 4 int32 lanes to 16 floats. */
+INLINE vf join4(__m128i a, __m128i b, __m128i c, __m128i d)
+{
+    const __m128 parts[4] = {_mm_cvtepi32_ps(a), _mm_cvtepi32_ps(b), _mm_cvtepi32_ps(c), _mm_cvtepi32_ps(d)};
+    vf v;
+    memcpy(&v, parts, 64);
+    return v;
+}
+INLINE vf to_float(u8x16 q)
+{
+    const __m128i zero = _mm_setzero_si128(), lo = _mm_unpacklo_epi8((__m128i)q, zero),
+                  hi = _mm_unpackhi_epi8((__m128i)q, zero);
+    return join4(_mm_unpacklo_epi16(lo, zero), _mm_unpackhi_epi16(lo, zero), _mm_unpacklo_epi16(hi, zero),
+                 _mm_unpackhi_epi16(hi, zero));
+}
+INLINE vf to_float_signed(u8x16 q)
+{
+    /* Each byte into the top of a 16-bit lane, then of a 32-bit lane; arithmetic shifts sign-extend. */
+    const __m128i v = (__m128i)q, lo = _mm_unpacklo_epi8(v, v), hi = _mm_unpackhi_epi8(v, v);
+    return join4(_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24), _mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 24),
+                 _mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 24), _mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 24));
+}
+#else
+INLINE vf to_float(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vf); }
+INLINE vf to_float_signed(u8x16 q) { return __builtin_convertvector(__builtin_convertvector((i8x16)q, i32x16), vf); }
+#endif
+
+/* Bits 0..15 (half 0) or 16..31 (half 1) of the 32 bits at qh, one per lane, as 0 or 16. */
+INLINE u8x16 fifth_bits(const uint8_t *qh, int half)
+{
+    const u8x16 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8_t lo = qh[2 * half], hi = qh[2 * half + 1];
+    const u8x16 spread = {lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi};
+    return (u8x16)((spread & mask) != 0) & 16;
+}
+
+/* Weights [16 g, 16 g + 16) of one block of type t, each as gguf's dequantizer computes it. */
+INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, float row_scale)
 {
     switch (t) {
     case Q4_0: {
-        const float d = half_to_float(b);
-        for (int j = 0; j < 16; j++) {
-            w[j] = d * (float)((int)(b[2 + j] & 15) - 8);
-            w[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
-        }
-        break;
+        const u8x16 q = bytes16(b + 2);
+        return half_to_float(b) * (to_float(g ? q >> 4 : q & 15) - 8.0f);
     }
     case Q4_1: {
-        const float d = half_to_float(b), m = half_to_float(b + 2);
-        for (int j = 0; j < 16; j++) {
-            w[j] = d * (float)(b[4 + j] & 15) + m;
-            w[j + 16] = d * (float)(b[4 + j] >> 4) + m;
-        }
-        break;
+        const u8x16 q = bytes16(b + 4);
+        return half_to_float(b) * to_float(g ? q >> 4 : q & 15) + half_to_float(b + 2);
     }
-    case Q5_0: case Q5_1: {
-        const int has_min = t == Q5_1;
-        const float d = half_to_float(b), m = has_min ? half_to_float(b + 2) : 0.0f;
-        uint32_t qh;
-        memcpy(&qh, b + 2 + 2 * has_min, 4);
-        const uint8_t *qs = b + 6 + 2 * has_min;
-        const int bias = has_min ? 0 : 16;
-        for (int j = 0; j < 16; j++) {
-            const int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-            w[j] = d * (float)(lo - bias) + m;
-            w[j + 16] = d * (float)(hi - bias) + m;
-        }
-        break;
+    case Q5_0: {
+        const u8x16 q = bytes16(b + 6);
+        return half_to_float(b) * (to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 2, g)) - 16.0f);
     }
-    case Q8_0: {
-        const float d = half_to_float(b);
-        for (int j = 0; j < 32; j++)
-            w[j] = d * (float)(int8_t)b[2 + j];
-        break;
+    case Q5_1: {
+        const u8x16 q = bytes16(b + 8);
+        return half_to_float(b) * to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 4, g)) + half_to_float(b + 2);
     }
+    case Q8_0:
+        return half_to_float(b) * to_float_signed(bytes16(b + 2 + 16 * g));
     case Q4_K: case Q5_K: {
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
-        const uint8_t *qh = b + 16, *qs = t == Q5_K ? b + 48 : b + 16;
-        for (int c = 0; c < 4; c++) {
-            float sc_lo, m_lo, sc_hi, m_hi;
-            k_scale_min(b + 4, 2 * c, &sc_lo, &m_lo);
-            k_scale_min(b + 4, 2 * c + 1, &sc_hi, &m_hi);
-            const float a_lo = d * sc_lo, o_lo = dmin * m_lo, a_hi = d * sc_hi, o_hi = dmin * m_hi;
-            for (int l = 0; l < 32; l++) {
-                int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
-                if (t == Q5_K) {
-                    lo |= ((qh[l] >> (2 * c)) & 1) << 4;
-                    hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
-                }
-                w[64 * c + l] = a_lo * (float)lo - o_lo;
-                w[64 * c + 32 + l] = a_hi * (float)hi - o_hi;
-            }
-        }
-        break;
+        /* 4 runs of 64 weights: 32 bytes, their low nibbles sub-block 2c, their high ones 2c + 1. */
+        const int c = g / 4, high = (g / 2) & 1, part = g & 1;
+        float scale, min;
+        k_scale_min(b + 4, 2 * c + high, &scale, &min);
+        const uint8_t *qs = (t == Q5_K ? b + 48 : b + 16) + 32 * c + 16 * part;
+        u8x16 q = high ? bytes16(qs) >> 4 : bytes16(qs) & 15;
+        if (t == Q5_K)
+            q |= ((bytes16(b + 16 + 16 * part) >> (2 * c + high)) & 1) << 4;
+        return (half_to_float(b) * scale) * to_float(q) - half_to_float(b + 2) * min;
     }
     case Q6_K: {
-        const float d = half_to_float(b + 208);
-        const int8_t *sc = (const int8_t *)(b + 192);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
-            float *y = w + 128 * half;
-            const int8_t *s = sc + 8 * half;
-            float a[8];
-            for (int i = 0; i < 8; i++)
-                a[i] = d * (float)s[i];
-            for (int l = 0; l < 32; l++) {
-                const int g = l / 16;
-                y[l] = a[g] * (float)(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
-                y[l + 32] = a[g + 2] * (float)(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                y[l + 64] = a[g + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                y[l + 96] = a[g + 6] * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-            }
-        }
-        break;
+        /* Two runs of 128: weight l + 32 k (l < 32) takes the low (k even) or high nibble of
+         * ql[l + 32 (k & 1)] and bits 2k, 2k + 1 of qh[l]; one int8 scale per 16 weights. */
+        const int half = g / 8, k = (g / 2) & 3, part = g & 1;
+        const uint8_t *ql = b + 64 * half + 32 * (k & 1) + 16 * part, *qh = b + 128 + 32 * half + 16 * part;
+        const u8x16 low = k < 2 ? bytes16(ql) & 15 : bytes16(ql) >> 4;
+        const u8x16 q = low | (((bytes16(qh) >> (2 * k)) & 3) << 4);
+        const float scale = half_to_float(b + 208) * (float)(int8_t)b[192 + 8 * half + 2 * k + part];
+        return scale * (to_float(q) - 32.0f);
     }
-    default: /* I8: 32 weights of one row */
-        for (int j = 0; j < 32; j++)
-            w[j] = row_scale * (float)(int8_t)b[j];
+    default: /* I8: 16 weights of one row */
+        return row_scale * to_float_signed(bytes16(b + 16 * g));
     }
 }
 
@@ -222,7 +246,8 @@ INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int
     const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
     const int64_t whole = n / bs * bs;
     for (int64_t k = 0; k < whole; k += bs)
-        dequantize_block(t, row + (k0 + k) / bs * block_bytes(t), row_scale, w + k);
+        for (int g = 0; g < bs / VW; g++)
+            *(vf_unaligned *)(w + k + VW * g) = dequantize_group(t, row + (k0 + k) / bs * block_bytes(t), g, row_scale);
     for (int64_t k = whole; k < n; k++) /* only int8 has columns outside whole blocks */
         w[k] = row_scale * (float)(int8_t)row[k0 + k];
 }
@@ -238,15 +263,12 @@ INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t
         vf acc[M][2];
         for (int m = 0; m < M; m++)
             acc[m][0] = acc[m][1] = (vf){0};
-        for (int64_t b = 0; b < blocks; b++) {
-            float w[256] __attribute__((aligned(64)));
-            dequantize_block(t, row + b * bb, row_scale, w);
-            for (int j = 0; j < bs; j += VW) {
-                const vf wv = *(const vf *)(w + j);
+        for (int64_t b = 0; b < blocks; b++)
+            for (int g = 0; g < bs / VW; g++) {
+                const vf wv = dequantize_group(t, row + b * bb, g, row_scale);
                 for (int m = 0; m < M; m++)
-                    acc[m][(j / VW) & 1] += wv * load(p->x + m * p->x_stride + b * bs + j);
+                    acc[m][g & 1] += wv * load(p->x + m * p->x_stride + b * bs + VW * g);
             }
-        }
         for (int m = 0; m < M; m++) {
             float sum = hsum(acc[m][0] + acc[m][1]);
             for (int64_t k = whole; k < p->cols; k++)
