@@ -22,15 +22,23 @@
 #include <immintrin.h>
 #endif
 
-/* Sixteen float32 lanes: one register at AVX-512, two at AVX2, four at the SSE2 baseline; GCC
- * lowers the vector operations to whatever the level's flags enable. */
+/* A group of 16 float32 lanes, as the level's native vectors: one at AVX-512, two at AVX2, four at
+ * the SSE2 baseline. (A 64-byte GCC vector type below AVX-512 is lowered through the stack.) */
 #define VW 16
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+#if defined(__AVX512F__)
+#define NATIVE 16
+#elif defined(__AVX2__)
+#define NATIVE 8
+#else
+#define NATIVE 4
+#endif
+#define PARTS (VW / NATIVE)
+typedef float vn __attribute__((vector_size(NATIVE * 4)));
+typedef float vn_unaligned __attribute__((vector_size(NATIVE * 4), aligned(4)));
+typedef struct { vn part[PARTS]; } vf;
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16_unaligned __attribute__((vector_size(16), aligned(1)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define INLINE static inline __attribute__((always_inline))
 
 /* The type codes quant_matmul.py passes (its QTYPE_CODES). */
@@ -95,14 +103,47 @@ INLINE float half_to_float(const uint8_t *p)
 #endif
 }
 
-INLINE vf load(const float *p) { return *(const vf_unaligned *)p; }
+INLINE vf load(const float *p)
+{
+    vf v;
+    for (int i = 0; i < PARTS; i++)
+        v.part[i] = *(const vn_unaligned *)(p + NATIVE * i);
+    return v;
+}
+
+INLINE void store(float *p, vf v)
+{
+    for (int i = 0; i < PARTS; i++)
+        *(vn_unaligned *)(p + NATIVE * i) = v.part[i];
+}
+
+INLINE vf zero(void) { return (vf){0}; }
+
+/* acc + a * b, lane by lane (one fused multiply-add where the level has them). */
+INLINE vf multiply_add(vf acc, vf a, vf b)
+{
+    for (int i = 0; i < PARTS; i++)
+        acc.part[i] += a.part[i] * b.part[i];
+    return acc;
+}
+
+/* scale * q + offset, lane by lane. */
+INLINE vf affine(vf q, float scale, float offset)
+{
+    for (int i = 0; i < PARTS; i++)
+        q.part[i] = scale * q.part[i] + offset;
+    return q;
+}
 
 INLINE float hsum(vf v)
 {
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++)
-        s += v[i];
-    return s;
+    vn s = v.part[0];
+    for (int i = 1; i < PARTS; i++)
+        s += v.part[i];
+    float total = 0.0f;
+    for (int i = 0; i < NATIVE; i++)
+        total += s[i];
+    return total;
 }
 
 /* Q4_K / Q5_K: the j-th of 8 six-bit (scale, min) pairs packed into 12 bytes. */
@@ -122,52 +163,51 @@ INLINE u8x16 bytes16(const uint8_t *p) { return *(const u8x16_unaligned *)p; }
 /* 16 bytes (unsigned or signed) to 16 floats. GCC's generic conversion goes one lane at a time,
  * so each level widens with its own instructions. */
 #if defined(__AVX512F__)
-INLINE vf to_float(u8x16 q) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q)); }
-INLINE vf to_float_signed(u8x16 q) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q)); }
+INLINE vf to_float(u8x16 q) { return (vf){{(vn)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q))}}; }
+INLINE vf to_float_signed(u8x16 q) { return (vf){{(vn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q))}}; }
 #elif defined(__AVX2__)
-INLINE vf join(__m256 lo, __m256 hi)
-{
-    vf v;
-    memcpy(&v, &lo, 32);
-    memcpy((char *)&v + 32, &hi, 32);
-    return v;
-}
 INLINE vf to_float(u8x16 q)
 {
     const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
-    return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(top)));
+    return (vf){{(vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), (vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(top))}};
 }
 INLINE vf to_float_signed(u8x16 q)
 {
     const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
-    return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(top)));
+    return (vf){{(vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), (vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(top))}};
 }
 #elif defined(__SSE2__)
-/* Four vectors of 4 int32 lanes to 16 floats. */
-INLINE vf join4(__m128i a, __m128i b, __m128i c, __m128i d)
-{
-    const __m128 parts[4] = {_mm_cvtepi32_ps(a), _mm_cvtepi32_ps(b), _mm_cvtepi32_ps(c), _mm_cvtepi32_ps(d)};
-    vf v;
-    memcpy(&v, parts, 64);
-    return v;
-}
 INLINE vf to_float(u8x16 q)
 {
     const __m128i zero = _mm_setzero_si128(), lo = _mm_unpacklo_epi8((__m128i)q, zero),
                   hi = _mm_unpackhi_epi8((__m128i)q, zero);
-    return join4(_mm_unpacklo_epi16(lo, zero), _mm_unpackhi_epi16(lo, zero), _mm_unpacklo_epi16(hi, zero),
-                 _mm_unpackhi_epi16(hi, zero));
+    return (vf){{(vn)_mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero)), (vn)_mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero)),
+                 (vn)_mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero)), (vn)_mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero))}};
 }
 INLINE vf to_float_signed(u8x16 q)
 {
-    /* Each byte into the top of a 16-bit lane, then of a 32-bit lane; arithmetic shifts sign-extend. */
+    /* Each byte into the top of a 32-bit lane; the arithmetic shift sign-extends it. */
     const __m128i v = (__m128i)q, lo = _mm_unpacklo_epi8(v, v), hi = _mm_unpackhi_epi8(v, v);
-    return join4(_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24), _mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 24),
-                 _mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 24), _mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 24));
+    return (vf){{(vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24)),
+                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 24)),
+                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 24)),
+                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 24))}};
 }
 #else
-INLINE vf to_float(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vf); }
-INLINE vf to_float_signed(u8x16 q) { return __builtin_convertvector(__builtin_convertvector((i8x16)q, i32x16), vf); }
+INLINE vf to_float(u8x16 q)
+{
+    vf v;
+    for (int i = 0; i < VW; i++)
+        v.part[i / NATIVE][i % NATIVE] = (float)q[i];
+    return v;
+}
+INLINE vf to_float_signed(u8x16 q)
+{
+    vf v;
+    for (int i = 0; i < VW; i++)
+        v.part[i / NATIVE][i % NATIVE] = (float)(int8_t)q[i];
+    return v;
+}
 #endif
 
 /* Bits 0..15 (half 0) or 16..31 (half 1) of the 32 bits at qh, one per lane, as 0 or 16. */
@@ -185,22 +225,22 @@ INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, 
     switch (t) {
     case Q4_0: {
         const u8x16 q = bytes16(b + 2);
-        return half_to_float(b) * (to_float(g ? q >> 4 : q & 15) - 8.0f);
+        return affine(to_float_signed((g ? q >> 4 : q & 15) - 8), half_to_float(b), 0.0f);
     }
     case Q4_1: {
         const u8x16 q = bytes16(b + 4);
-        return half_to_float(b) * to_float(g ? q >> 4 : q & 15) + half_to_float(b + 2);
+        return affine(to_float(g ? q >> 4 : q & 15), half_to_float(b), half_to_float(b + 2));
     }
     case Q5_0: {
         const u8x16 q = bytes16(b + 6);
-        return half_to_float(b) * (to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 2, g)) - 16.0f);
+        return affine(to_float_signed(((g ? q >> 4 : q & 15) | fifth_bits(b + 2, g)) - 16), half_to_float(b), 0.0f);
     }
     case Q5_1: {
         const u8x16 q = bytes16(b + 8);
-        return half_to_float(b) * to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 4, g)) + half_to_float(b + 2);
+        return affine(to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 4, g)), half_to_float(b), half_to_float(b + 2));
     }
     case Q8_0:
-        return half_to_float(b) * to_float_signed(bytes16(b + 2 + 16 * g));
+        return affine(to_float_signed(bytes16(b + 2 + 16 * g)), half_to_float(b), 0.0f);
     case Q4_K: case Q5_K: {
         /* 4 runs of 64 weights: 32 bytes, their low nibbles sub-block 2c, their high ones 2c + 1. */
         const int c = g / 4, high = (g / 2) & 1, part = g & 1;
@@ -210,7 +250,7 @@ INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, 
         u8x16 q = high ? bytes16(qs) >> 4 : bytes16(qs) & 15;
         if (t == Q5_K)
             q |= ((bytes16(b + 16 + 16 * part) >> (2 * c + high)) & 1) << 4;
-        return (half_to_float(b) * scale) * to_float(q) - half_to_float(b + 2) * min;
+        return affine(to_float(q), half_to_float(b) * scale, -(half_to_float(b + 2) * min));
     }
     case Q6_K: {
         /* Two runs of 128: weight l + 32 k (l < 32) takes the low (k even) or high nibble of
@@ -220,10 +260,10 @@ INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, 
         const u8x16 low = k < 2 ? bytes16(ql) & 15 : bytes16(ql) >> 4;
         const u8x16 q = low | (((bytes16(qh) >> (2 * k)) & 3) << 4);
         const float scale = half_to_float(b + 208) * (float)(int8_t)b[192 + 8 * half + 2 * k + part];
-        return scale * (to_float(q) - 32.0f);
+        return affine(to_float_signed(q - 32), scale, 0.0f);
     }
     default: /* I8: 16 weights of one row */
-        return row_scale * to_float_signed(bytes16(b + 16 * g));
+        return affine(to_float_signed(bytes16(b + 16 * g)), row_scale, 0.0f);
     }
 }
 
@@ -247,7 +287,7 @@ INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int
     const int64_t whole = n / bs * bs;
     for (int64_t k = 0; k < whole; k += bs)
         for (int g = 0; g < bs / VW; g++)
-            *(vf_unaligned *)(w + k + VW * g) = dequantize_group(t, row + (k0 + k) / bs * block_bytes(t), g, row_scale);
+            store(w + k + VW * g, dequantize_group(t, row + (k0 + k) / bs * block_bytes(t), g, row_scale));
     for (int64_t k = whole; k < n; k++) /* only int8 has columns outside whole blocks */
         w[k] = row_scale * (float)(int8_t)row[k0 + k];
 }
@@ -262,15 +302,15 @@ INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t
         const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
         vf acc[M][2];
         for (int m = 0; m < M; m++)
-            acc[m][0] = acc[m][1] = (vf){0};
+            acc[m][0] = acc[m][1] = zero();
         for (int64_t b = 0; b < blocks; b++)
             for (int g = 0; g < bs / VW; g++) {
                 const vf wv = dequantize_group(t, row + b * bb, g, row_scale);
                 for (int m = 0; m < M; m++)
-                    acc[m][g & 1] += wv * load(p->x + m * p->x_stride + b * bs + VW * g);
+                    acc[m][g & 1] = multiply_add(acc[m][g & 1], wv, load(p->x + m * p->x_stride + b * bs + VW * g));
             }
         for (int m = 0; m < M; m++) {
-            float sum = hsum(acc[m][0] + acc[m][1]);
+            float sum = hsum(acc[m][0]) + hsum(acc[m][1]);
             for (int64_t k = whole; k < p->cols; k++)
                 sum += row_scale * (float)(int8_t)row[k] * p->x[m * p->x_stride + k];
             p->out[m * p->out_stride + r] = sum;
@@ -300,16 +340,16 @@ INLINE void tile_rows(const int t, const struct problem *p, int64_t r0)
                 vf acc[MR][NR];
                 for (int i = 0; i < MR; i++)
                     for (int j = 0; j < NR; j++)
-                        acc[i][j] = (vf){0};
+                        acc[i][j] = zero();
                 for (int64_t k = 0; k < vec_end; k += VW) {
                     vf xv[MR], wv[NR];
                     for (int i = 0; i < MR; i++)
                         xv[i] = load(xs[i] + k);
                     for (int j = 0; j < NR; j++)
-                        wv[j] = *(const vf *)(ws[j] + k);
+                        wv[j] = load(ws[j] + k);
                     for (int i = 0; i < MR; i++)
                         for (int j = 0; j < NR; j++)
-                            acc[i][j] += xv[i] * wv[j];
+                            acc[i][j] = multiply_add(acc[i][j], xv[i], wv[j]);
                 }
                 for (int i = 0; i < MR && m0 + i < p->m; i++)
                     for (int j = 0; j < NR && n0 + j < nt; j++) {
