@@ -214,8 +214,8 @@ INLINE vf to_float_signed(u8x16 q)
 INLINE u8x16 fifth_bits(const uint8_t *qh, int half)
 {
     const u8x16 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    const uint8_t lo = qh[2 * half], hi = qh[2 * half + 1];
-    const u8x16 spread = {lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi};
+    const u8x16 two = {qh[2 * half], qh[2 * half + 1]};
+    const u8x16 spread = __builtin_shuffle(two, (u8x16){0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1});
     return (u8x16)((spread & mask) != 0) & 16;
 }
 
@@ -286,7 +286,7 @@ INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int
     const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
     const int64_t whole = n / bs * bs;
     for (int64_t k = 0; k < whole; k += bs)
-        for (int g = 0; g < bs / VW; g++)
+        _Pragma("GCC unroll 16") for (int g = 0; g < bs / VW; g++)
             store(w + k + VW * g, dequantize_group(t, row + (k0 + k) / bs * block_bytes(t), g, row_scale));
     for (int64_t k = whole; k < n; k++) /* only int8 has columns outside whole blocks */
         w[k] = row_scale * (float)(int8_t)row[k0 + k];
@@ -304,7 +304,7 @@ INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t
         for (int m = 0; m < M; m++)
             acc[m][0] = acc[m][1] = zero();
         for (int64_t b = 0; b < blocks; b++)
-            for (int g = 0; g < bs / VW; g++) {
+            _Pragma("GCC unroll 16") for (int g = 0; g < bs / VW; g++) {
                 const vf wv = dequantize_group(t, row + b * bb, g, row_scale);
                 for (int m = 0; m < M; m++)
                     acc[m][g & 1] = multiply_add(acc[m][g & 1], wv, load(p->x + m * p->x_stride + b * bs + VW * g));
