@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from kvpilot.kernels.cpu import quant_matmul as qm
 from kvpilot.kernels.cpu.isa import ISA_ENV
 from kvpilot.kernels.cpu.quant_formats import random_blocks
+from kvpilot.runtime.benchmarks.plot import line_figure
 from kvpilot.runtime.benchmarks.report import BenchReport, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +123,13 @@ def main() -> None:
                 f"matmuls against {one['torch_s'] * 1e3:.2f} ms in float32 "
                 f"({one['torch_s'] / one['kernel_s']:.2f}x), {one['bytes'] / one['kernel_s'] / bandwidth:.0%} of "
                 f"the measured read bandwidth")
-    report.write(body, [], {"isa": level, "read_bandwidth_bytes_per_s": bandwidth, "rows": rows,
+    figure = line_figure(
+        report.output_path("decode_step_matmuls.png"),
+        {f"{args.qtype} kernel ({level})": [(n, v["kernel_s"] * 1e3) for n, v in step.items()],
+         "float32 F.linear, dequantized": [(n, v["torch_s"] * 1e3) for n, v in step.items()]},
+        xlabel="rows of x (tokens in the step)", ylabel="ms of matmuls per step", log_x=True,
+        title=f"SmolLM2-135M decode step's matmuls, {args.threads} thread(s)")
+    report.write(body, [figure], {"isa": level, "read_bandwidth_bytes_per_s": bandwidth, "rows": rows,
                             "steps": {str(k): v for k, v in step.items()}}, headline)
 
 
