@@ -72,6 +72,14 @@ class PackedWeight:
         data = self.data.narrow(1, start // size * block_bytes, length // size * block_bytes)
         return PackedWeight(self.qtype, self.rows, length, data)
 
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int, int, int, int, int, int]:
+        """The C kernel's weight arguments (type code, data pointer, row stride in bytes, scales
+        pointer, rows, cols), computed once: a decode step calls the kernel hundreds of times."""
+        scales = 0 if self.scales is None else self.scales.data_ptr()
+        return (QTYPE_CODES[self.qtype], self.data.data_ptr(), self.data.stride(0) * self.data.element_size(), scales,
+                self.rows, self.cols)
+
     @property
     def nbytes(self) -> int:
         """Bytes a full pass over the weight reads (its blocks, plus int8's scales)."""
@@ -188,17 +196,27 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None
                  isa: str | None = None) -> torch.Tensor:
     """x float32 [M, cols] with contiguous rows -> float32 [M, rows] (into `out` when given).
     isa: an ISA level to run at instead of the chosen one."""
-    _check_operands(x, weight, out)
-    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32) if out is None else out
-    scales = 0 if weight.scales is None else weight.scales.data_ptr()
-    # Every pointer is to rows already checked against the shapes; cols == 0 leaves out zero.
+    # Plain comparisons first (this runs for every linear layer of every step); the message that
+    # says what is wrong is built only on failure.
+    if not (x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == weight.cols and x.stride(1) == 1
+            and x.is_cpu):
+        _check_operands(x, weight, out)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+    elif not (out.dtype == torch.float32 and out.shape == (x.shape[0], weight.rows) and out.stride(1) == 1
+              and out.is_cpu):
+        _check_operands(x, weight, out)
     if weight.cols == 0:
         return out.zero_()
-    (_kernel(isa or chosen_isa()))(
-        QTYPE_CODES[weight.qtype], weight.data.data_ptr(), weight.data.stride(0) * weight.data.element_size(),
-        scales, weight.rows, weight.cols, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
+    (_kernel(isa) if isa else _default_kernel())(
+        *weight.kernel_args, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
         torch.get_num_threads())
     return out
+
+
+@functools.cache
+def _default_kernel():
+    return _kernel(chosen_isa())
 
 
 def _check_operands(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None) -> None:
