@@ -2,10 +2,12 @@
 float32 `F.linear` on the same weights dequantized, side by side in one process.
 
 Each shape has as many distinct weights as the model has layers, and a timed pass runs through
-all of them once, as a decode step does: the weights come from memory, not from a cache that one
-weight repeated would sit in. Rows at one row of x (a decode step of one stream) and at sixteen.
+all of them once, as a decode step does: no weight sits in a core's own caches between its uses
+(a large shared L3 may still hold some, as it would in a real decode step; the float32 weights,
+5.6x larger, fit it less). Rows at one row of x (a decode step of one stream) and at sixteen.
 The achieved weight-read bandwidth is set against the machine's read bandwidth measured in the
-same run (a large `torch.sum`). The last rows sum one decode step's matmuls over all layers and
+same run (a `torch.sum` over 1 GiB, larger than any cache); above 100 % means the shared L3 held
+part of the weights. The last rows sum one decode step's matmuls over all layers and
 the LM head (Q8_0, as the GGUF file stores the tied embedding).
 
     .venv/bin/python bench/quant_matmul.py [--qtype Q4_1] [--isa avx2] [--output-dir DIR]

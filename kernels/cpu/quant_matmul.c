@@ -46,8 +46,8 @@ enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8, NUM_TYPES };
 /* Up to this many rows of x the decode shape runs; past it the tiled one. */
 #define GEMV_MAX_M 4
 #define GEMV_ROWS_PER_TASK 16
-#define TILE_ROWS 16
-#define TILE_COLS 1024
+#define TILE_ROWS 8
+#define TILE_COLS 1536
 #if defined(__AVX512F__)
 #define MR 4
 #define NR 4

@@ -134,12 +134,12 @@ def test_the_kernel_matches_dequantize_then_matmul(level, qtype, num_tokens):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "int8"])
 @pytest.mark.parametrize("num_tokens", [1, 9])
 def test_shards_and_strided_rows_match(level, qtype, num_tokens):
-    """TP shards are views with a wider row stride; columns past one 1024-wide tile are summed in."""
-    weight = packed(qtype, 21, 1536, seed=7)
-    x = torch.randn(num_tokens, 2048, generator=_gen(8))[:, :1536]  # rows 2048 floats apart
+    """TP shards are views with a wider row stride; columns past one 1536-wide tile are summed in."""
+    weight = packed(qtype, 21, 2048, seed=7)
+    x = torch.randn(num_tokens, 2304, generator=_gen(8))[:, :2048]  # rows 2304 floats apart
     _assert_matches_reference(x, weight.narrow_rows(5, 11), level)
     _assert_matches_reference(x[:, 256:1280].contiguous(), weight.narrow_cols(256, 1024), level)
-    _assert_matches_reference(x[:, 512:].contiguous(), weight.narrow_rows(3, 1).narrow_cols(512, 1024), level)
+    _assert_matches_reference(x[:, 512:].contiguous(), weight.narrow_rows(3, 1).narrow_cols(512, 1536), level)
 
 
 @pytest.mark.parametrize("cols", [1, 31, 70])
