@@ -1,8 +1,8 @@
 """A single GGUF file (llama.cpp's format) as the engine sees it: metadata, config and weights.
 
-The file is read with `gguf`, the reader published by the llama.cpp project. Weights are
-dequantized one tensor at a time to float32 with gguf's own dequantizer, renamed to Hugging Face
-names, and handed to the model's loader, which cuts each rank's shard out of them; only numpy is
+The file is read with `gguf`, the reader published by the llama.cpp project. Weights are either
+kept packed (the types kernels/cpu/quant_matmul.py reads) or dequantized one tensor at a time to
+float32 with gguf's own dequantizer, renamed to Hugging Face names, and handed to the model's loader, which cuts each rank's shard out of them; only numpy is
 needed until then, so the API-server process can read the config and tokenizer without torch.
 """
 
@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvpilot.kernels.cpu.quant_matmul import PackedWeight
 
 # general.architecture -> the engine's model class; Mistral files say "llama" too.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -138,23 +141,64 @@ class GGUFCheckpoint:
                             "kvpilot implements only linear scaling for GGUF files")
         return {"rope_type": "linear", "factor": self.arch_metadata("rope.scaling.factor")}
 
-    def iterate_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, float32 array in Hugging Face layout) for every tensor, one at a time."""
+    def iterate_weights(self, num_heads: int, num_kv_heads: int,
+                        keep_packed: bool = False) -> Iterator[tuple[str, "np.ndarray | PackedWeight"]]:
+        """(Hugging Face name, weight in Hugging Face layout) for every tensor, one at a time: a float32
+        array, or with `keep_packed` a PackedWeight for the types the quantized matmul reads."""
         from gguf.quants import dequantize
+
+        from kvpilot.kernels.cpu.quant_matmul import PACKED_TYPES
 
         for tensor in self._reader.tensors:
             name = hf_tensor_name(tensor.name)
-            if tensor.tensor_type.name in _PLAIN_TYPES:
-                weight = np.array(tensor.data, dtype=np.float32)  # a copy: the memory map is read-only
-            else:
-                weight = dequantize(tensor.data, tensor.tensor_type)
+            qtype = tensor.tensor_type.name
             # numpy's shape is ggml's reversed, which is already PyTorch's (out, in) order.
-            weight = weight.reshape([int(n) for n in reversed(tensor.shape)])
+            shape = [int(n) for n in reversed(tensor.shape)]
+            packed = keep_packed and qtype in PACKED_TYPES and len(shape) == 2
+            if packed:
+                # Whole rows: the row reorder below moves each row's blocks as they are.
+                weight = self._packed_rows(tensor, shape)
+            elif qtype in _PLAIN_TYPES:
+                weight = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the map is read-only
+            else:
+                weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary_rows(weight, num_heads)
             elif self.arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = unpermute_rotary_rows(weight, num_kv_heads)
-            yield name, weight
+            yield name, self._as_packed(tensor.name, qtype, shape, weight) if packed else weight
+
+    def kept_packed(self) -> tuple[list[str], list[str]]:
+        """(packed, dequantized): the file's quantized matrix types that stay packed and those
+        dequantized at load, each once."""
+        from kvpilot.kernels.cpu.quant_matmul import PACKED_TYPES
+
+        types = {t.tensor_type.name for t in self._reader.tensors
+                 if t.tensor_type.name not in _PLAIN_TYPES and len(t.shape) == 2}
+        return sorted(types & PACKED_TYPES), sorted(types - PACKED_TYPES)
+
+    def _packed_rows(self, tensor, shape: list[int]) -> np.ndarray:
+        """The tensor's bytes as [rows, bytes per row]; a count that is not whole rows of whole
+        blocks is an error naming the tensor, before any kernel sees it."""
+        from gguf import GGML_QUANT_SIZES
+
+        rows, cols = shape
+        block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        raw = np.asarray(tensor.data).reshape(-1)
+        if cols % block or raw.size != rows * cols // block * block_bytes:
+            raise GGUFError(f"model: tensor {tensor.name} in {self.path.name} is {tensor.tensor_type.name} "
+                            f"[{rows}, {cols}] (blocks of {block}), which needs "
+                            f"{rows * (cols // block) * block_bytes} bytes in whole blocks; the file holds "
+                            f"{raw.size}")
+        return np.array(raw.reshape(rows, raw.size // rows if rows else 0))  # a copy: the map is read-only
+
+    def _as_packed(self, gguf_name: str, qtype: str, shape: list[int], rows: np.ndarray) -> "PackedWeight":
+        from kvpilot.kernels.cpu.quant_matmul import from_gguf
+
+        try:
+            return from_gguf(qtype, *shape, rows)
+        except ValueError as err:
+            raise GGUFError(f"model: tensor {gguf_name} in {self.path.name}: {err}") from None
 
 
 def hf_tensor_name(gguf_name: str) -> str:
