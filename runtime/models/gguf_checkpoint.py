@@ -62,14 +62,13 @@ def open_gguf(path: str | Path) -> "GGUFCheckpoint":
 
 class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
-        # Imported here: HF-folder users and the operator never need the package.
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"model: no such GGUF file: {path!s}")
         try:
-            self._reader = GGUFReader(self.path)
+            self._reader = _reader_class()(self.path)
+        except GGUFError:
+            raise
         except Exception as err:
             # The reader indexes straight into a memory map: a short or foreign file surfaces
             # as whatever numpy raised on the first out-of-range field.
@@ -156,8 +155,9 @@ class GGUFCheckpoint:
             shape = [int(n) for n in reversed(tensor.shape)]
             packed = keep_packed and qtype in PACKED_TYPES and len(shape) == 2
             if packed:
-                # Whole rows: the row reorder below moves each row's blocks as they are.
-                weight = self._packed_rows(tensor, shape)
+                # [rows, bytes per row], a copy (the map is read-only): the row reorder below
+                # moves each row's blocks as they are.
+                weight = np.array(tensor.data).reshape(shape[0], -1)
             elif qtype in _PLAIN_TYPES:
                 weight = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the map is read-only
             else:
@@ -177,21 +177,6 @@ class GGUFCheckpoint:
                  if t.tensor_type.name not in _PLAIN_TYPES and len(t.shape) == 2}
         return sorted(types & PACKED_TYPES), sorted(types - PACKED_TYPES)
 
-    def _packed_rows(self, tensor, shape: list[int]) -> np.ndarray:
-        """The tensor's bytes as [rows, bytes per row]; a count that is not whole rows of whole
-        blocks is an error naming the tensor, before any kernel sees it."""
-        from gguf import GGML_QUANT_SIZES
-
-        rows, cols = shape
-        block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-        raw = np.asarray(tensor.data).reshape(-1)
-        if cols % block or raw.size != rows * cols // block * block_bytes:
-            raise GGUFError(f"model: tensor {tensor.name} in {self.path.name} is {tensor.tensor_type.name} "
-                            f"[{rows}, {cols}] (blocks of {block}), which needs "
-                            f"{rows * (cols // block) * block_bytes} bytes in whole blocks; the file holds "
-                            f"{raw.size}")
-        return np.array(raw.reshape(rows, raw.size // rows if rows else 0))  # a copy: the map is read-only
-
     def _as_packed(self, gguf_name: str, qtype: str, shape: list[int], rows: np.ndarray) -> "PackedWeight":
         from kvpilot.kernels.cpu.quant_matmul import from_gguf
 
@@ -199,6 +184,37 @@ class GGUFCheckpoint:
             return from_gguf(qtype, *shape, rows)
         except ValueError as err:
             raise GGUFError(f"model: tensor {gguf_name} in {self.path.name}: {err}") from None
+
+
+@functools.cache
+def _reader_class() -> type:
+    # Imported here: HF-folder users and the operator never need the package.
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class TensorNamingReader(GGUFReader):
+        """gguf's reader, naming the tensor whose type code is unknown, whose rows are not whole
+        blocks, or whose data runs past the end of a cut file (the reader itself fails on an enum
+        lookup or a numpy reshape that names no tensor)."""
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            known = {int(qtype): size for qtype, size in GGML_QUANT_SIZES.items()}
+            for field in fields:
+                _, _, _, dims, raw_type, offset = field.parts
+                if int(raw_type[0]) not in known:
+                    raise GGUFError(f"model: tensor {field.name} in {Path(self.data.filename).name} has type "
+                                    f"code {int(raw_type[0])}, which is no GGML type kvpilot knows")
+                block, block_bytes = known[int(raw_type[0])]
+                if int(dims[0]) % block:
+                    raise GGUFError(f"model: tensor {field.name} in {Path(self.data.filename).name} has rows of "
+                                    f"{int(dims[0])} values, which are not whole blocks of {block} "
+                                    f"({GGMLQuantizationType(int(raw_type[0])).name})")
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) // block * block_bytes
+                if end > len(self.data):
+                    raise GGUFError(f"model: tensor {field.name} in {Path(self.data.filename).name} ends at byte "
+                                    f"{end}, past the end of the file ({len(self.data)} bytes): the file is cut short")
+            super()._build_tensors(start_offs, fields)
+
+    return TensorNamingReader
 
 
 def hf_tensor_name(gguf_name: str) -> str:
