@@ -457,6 +457,12 @@ def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model, name)
         _require(value % size == 0, "tensor_parallel_size", f"{size} does not divide the model's {name} ({value})")
+    if size > 1 and model.quantization == "auto" and model.path.endswith(".gguf"):
+        # Refused here, before the workers start: a packed shard must hold whole blocks.
+        from kvpilot.runtime.models.gguf_checkpoint import open_gguf
+
+        problem = open_gguf(model.path).row_parallel_split_problem(size)
+        _require(problem is None, "tensor_parallel_size", problem or "")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

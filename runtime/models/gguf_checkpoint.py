@@ -89,6 +89,25 @@ class GGUFCheckpoint:
     def arch_metadata(self, key: str, default=None):
         return self.metadata(f"{self.arch}.{key}", default)
 
+    def row_parallel_split_problem(self, tp_size: int) -> str | None:
+        """Why `tp_size` ranks cannot split this file's packed row-parallel matrices (o_proj,
+        down_proj: each rank takes a slice of the inputs) along whole quantization blocks, or None."""
+        from gguf import GGML_QUANT_SIZES
+
+        from kvpilot.kernels.cpu.quant_matmul import PACKED_TYPES
+
+        for tensor in self._reader.tensors:
+            if not tensor.name.endswith(("attn_output.weight", "ffn_down.weight")) or \
+                    tensor.tensor_type.name not in PACKED_TYPES:
+                continue
+            block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+            shard = int(tensor.shape[0]) // tp_size
+            if shard % block:
+                return (f"{tp_size} would split {hf_tensor_name(tensor.name)} ({tensor.tensor_type.name}) into "
+                        f"shards of {shard} inputs, inside its blocks of {block}; use a size whose shards hold "
+                        f"whole blocks, or --quantization none")
+        return None
+
     @property
     def tensor_names(self) -> list[str]:
         return [tensor.name for tensor in self._reader.tensors]

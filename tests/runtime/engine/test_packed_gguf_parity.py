@@ -75,3 +75,13 @@ def test_int8_matches_transformers_on_the_quantize_dequantize_weights(tiny_llama
     prompts = random_prompts([1, 9, 70], 512, seed=5)
     outputs = greedy(str(tiny_llama_dir), prompts, quantization="int8")
     assert_matches(oracle, prompts, outputs)
+
+
+def test_a_row_parallel_shard_inside_a_k_quant_block_names_the_layer(q4_k_m_gguf):
+    # Two ranks would split o_proj's 256 inputs into 128 each: half a Q4_K block.
+    hf_dir, path = q4_k_m_gguf
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 would split model\.layers\.0\.self_attn\.o_proj\."
+                                         r"weight \(Q4_K\) into shards of 128 inputs, inside its blocks of 256"):
+        LLM(str(path), tokenizer=str(hf_dir), tensor_parallel_size=2)
+    # Dequantized at load, the same file splits anywhere.
+    assert greedy(str(path), [[5, 6, 7]], tokenizer=str(hf_dir), tensor_parallel_size=2, quantization="none")
