@@ -52,6 +52,11 @@ class _PackedHolder(nn.Module):
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
         self.packed[index] = _owned(shard)
 
+    @property
+    def input_features(self) -> int:
+        """This rank's input width (the width `matmul` takes)."""
+        return self.packed[0].cols if self.packed is not None else self.weight.shape[1]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for this rank's shard, no bias: what a LoRA wrapper adds its own product to."""
         if self.packed is None:

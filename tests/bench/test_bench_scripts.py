@@ -21,6 +21,7 @@ TINY_ARGS = {
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
     "kernels.py": ["--tiny"],
     "quant_matmul.py": ["--tiny"],
+    "packed_weights.py": ["--batch", "2", "--prompt-len", "8", "--new-tokens", "2", "--repeats", "1"],
     "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1",
                              "--baseline", "HEAD", "--cold"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
