@@ -35,8 +35,8 @@ def _owned(shard: PackedWeight) -> PackedWeight:
 
 
 def _packed_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """x [..., cols] (any float dtype the caller has) @ weight.T, in float32 as the kernel computes."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    """x [..., cols] @ weight.T for float32 x (the loader keeps packed weights only in float32 models)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
     return quant_matmul(flat, weight).reshape(*x.shape[:-1], weight.rows)
 
 
@@ -44,8 +44,12 @@ class _PackedHolder(nn.Module):
     """The float `weight` parameter, or packed weights in its place once the checkpoint gives them."""
 
     packed: list[PackedWeight | None] | None = None
+    # Whether a fused part came as a float tensor: one layer's parts are all packed or all float.
+    float_loaded = False
 
     def _hold_packed(self, index: int, parts: int, shard: PackedWeight) -> None:
+        if self.float_loaded:
+            raise ValueError("is packed where the layer's other parts are float (--quantization none loads it)")
         if self.packed is None:
             self.packed = [None] * parts
             # Float storage the layer will never use: gone before the next layer loads.
@@ -87,6 +91,10 @@ class ColumnParallelLinear(_PackedHolder):
             # Fused parts may differ in type (a Q4_K_M file's v is Q6_K beside q and k's Q4_K).
             self._hold_packed(index, len(self.shard_sizes), full.narrow_rows(tp_rank() * size, size))
             return
+        if param_name == "weight":
+            if self.packed is not None:
+                raise ValueError("is float where the layer's other parts are packed (--quantization none loads it)")
+            self.float_loaded = True
         shard = full.narrow(0, tp_rank() * size, size)
         getattr(self, param_name).data.narrow(0, self.offsets[index], size).copy_(shard)
 
@@ -111,7 +119,11 @@ class RowParallelLinear(_PackedHolder):
         if param_name == "bias":
             self.bias.data.copy_(full)
         elif isinstance(full, PackedWeight):
-            self._hold_packed(0, 1, full.narrow_cols(tp_rank() * self.shard_size, self.shard_size))
+            try:
+                shard = full.narrow_cols(tp_rank() * self.shard_size, self.shard_size)
+            except ValueError as err:
+                raise ValueError(f"cannot be split across {tp_size()} tensor-parallel ranks: {err}") from None
+            self._hold_packed(0, 1, shard)
         else:
             self.weight.data.copy_(full.narrow(1, tp_rank() * self.shard_size, self.shard_size))
 

@@ -157,9 +157,8 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tensor.to(self.config.torch_dtype)
             try:
                 module.load(param_name, tensor, index)
-            except ValueError as err:  # a packed shard that would split quantization blocks
-                raise ValueError(f"checkpoint weight {hf_name} cannot be split across "
-                                 f"{tp_size()} tensor-parallel ranks: {err}") from None
+            except ValueError as err:  # packed: a shard inside a block, or fused parts packed and float
+                raise ValueError(f"checkpoint weight {hf_name} {err}") from None
         if self.config.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
         missing = [name if name.startswith("lm_head.") else f"model.{name}"
