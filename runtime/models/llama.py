@@ -179,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
-def _check_shape(hf_name: str, tensor: torch.Tensor | PackedWeight, weight_shape: tuple[int, ...] | None, param_name: str) -> None:
+def _check_shape(hf_name: str, tensor: torch.Tensor | PackedWeight, weight_shape: tuple[int, ...] | None,
+                 param_name: str) -> None:
     """The layers cut their shard out of the tensor they are given: one of the wrong size would load
     in part, or load too much, without a word."""
     if weight_shape is None:
