@@ -2,7 +2,8 @@
 
 The file is read with `gguf`, the reader published by the llama.cpp project. Weights are either
 kept packed (the types kernels/cpu/quant_matmul.py reads) or dequantized one tensor at a time to
-float32 with gguf's own dequantizer, renamed to Hugging Face names, and handed to the model's loader, which cuts each rank's shard out of them; only numpy is
+float32 with gguf's own dequantizer, renamed to Hugging Face names, and handed to the model's
+loader, which cuts each rank's shard out of them; only numpy is
 needed until then, so the API-server process can read the config and tokenizer without torch.
 """
 

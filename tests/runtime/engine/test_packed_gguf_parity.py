@@ -88,7 +88,8 @@ def test_a_row_parallel_shard_inside_a_k_quant_block_names_the_layer(q4_k_m_gguf
 
 
 def test_a_fused_layer_with_packed_and_float_parts_names_the_weight(tiny_llama_dir, tmp_path):
-    path = write_tiny_gguf(tiny_llama_dir, tmp_path / "mixed.gguf", lambda name: "F16" if ".attn_v." in name else "Q8_0")
+    path = write_tiny_gguf(tiny_llama_dir, tmp_path / "mixed.gguf",
+                           lambda name: "F16" if ".attn_v." in name else "Q8_0")
     with pytest.raises(ValueError, match=r"checkpoint weight model\.layers\.0\.self_attn\.v_proj\.weight is float "
                                          r"where the layer's other parts are packed"):
         LLM(str(path), tokenizer=str(tiny_llama_dir))

@@ -45,7 +45,8 @@ def test_int8_on_a_gguf_file_is_a_usage_error(smollm2_gguf, capsys):
 
 
 def test_int8_with_another_dtype_is_refused(tiny_llama_dir):
-    with pytest.raises(ValueError, match="--quantization int8 computes in float32; it cannot run with --dtype bfloat16"):
+    with pytest.raises(ValueError,
+                       match="--quantization int8 computes in float32; it cannot run with --dtype bfloat16"):
         ModelConfig.from_pretrained(tiny_llama_dir, quantization="int8", dtype="bfloat16")
 
 
