@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvpilot.runtime import LLM, SamplingParams
@@ -111,14 +110,14 @@ def _decode_vs_gemm(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[dic
     engine.step()  # the first step with every request decoding
 
     model = engine.executor.model
-    linears = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    lm_head = next(m.weight for m in model.modules() if isinstance(m, ParallelLMHead))
-    inputs = [torch.randn(len(prompts), w.shape[1], dtype=w.dtype) for w in [*linears, lm_head]]
+    # Each layer's own matmul: F.linear on float weights, quant_matmul on packed ones.
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+    inputs = [torch.randn(len(prompts), m.input_features, dtype=llm.config.model.torch_dtype) for m in layers]
 
     @torch.inference_mode()
     def gemm_only():
-        for x, w in zip(inputs, [*linears, lm_head]):
-            F.linear(x, w)
+        for x, layer in zip(inputs, layers):
+            layer.matmul(x)
 
     timings = _interleaved({"step": engine.step, "gemm": gemm_only}, steps)
     engine.abort_requests([f"decode-{i}" for i in range(len(prompts))])

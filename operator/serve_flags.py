@@ -50,6 +50,7 @@ SPEC_FLAGS: tuple[SpecFlag, ...] = (
     SpecFlag(("engine", "maxModelLen"), "--max-model-len"),
     SpecFlag(("engine", "gpuMemoryUtilization"), "--gpu-memory-utilization"),
     SpecFlag(("engine", "attentionBackend"), "--attention-backend"),
+    SpecFlag(("engine", "quantization"), "--quantization"),
     SpecFlag(("engine", "blockSize"), "--block-size"),
     SpecFlag(("engine", "enablePrefixCaching"), "--enable-prefix-caching"),
     SpecFlag(("scheduling", "policy"), "--scheduling-policy",

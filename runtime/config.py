@@ -25,6 +25,8 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 # `auto`: the Triton kernels on CUDA, the C kernel (kernels/cpu/) on a CPU where it builds, else
 # the torch reference.
+# `auto` keeps a GGUF file's quantized matrices packed; `int8` quantizes a float checkpoint's at load.
+QUANTIZATIONS = ("auto", "none", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Tokens per KV block: powers of two up to 128 (the CRD's enum is checked against this).
@@ -94,6 +96,11 @@ class ModelConfig:
     checkpoint (a Hugging Face `config.json`)."""
 
     dtype: str = setting("float32", "weight and activation dtype", choices=DTYPES)
+    quantization: str = setting(
+        "auto", "what the linear layers hold: auto keeps a GGUF file's quantized types packed (Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and runs them with the quantized matmul on the CPU; none dequantizes "
+        "every weight at load; int8 quantizes a Hugging Face checkpoint's linear weights per output row at "
+        "load", choices=QUANTIZATIONS)
     seed: int = setting(0, "engine seed (requests without their own seed sample from it)", metavar="N")
     attention_backend: str = setting(
         "auto", "kernels for paged attention, KV-cache writes, RoPE and RMSNorm: triton (kernels/), cpu (the "
@@ -125,6 +132,13 @@ class ModelConfig:
     # The span each token attends over, where the checkpoint restricts it (Mistral 7B v0.1: 4096).
     # The engine attends over the whole context, which is the same attention only up to it.
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization == "int8" and self.path.endswith(".gguf"):
+            raise ValueError(f"--quantization int8 quantizes a float checkpoint at load; {Path(self.path).name} is "
+                             "a GGUF file, whose own types --quantization auto keeps (or none dequantizes)")
+        if self.quantization == "int8" and self.dtype != "float32":
+            raise ValueError(f"--quantization int8 computes in float32; it cannot run with --dtype {self.dtype}")
 
     @property
     def torch_dtype(self):
@@ -443,6 +457,12 @@ def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model, name)
         _require(value % size == 0, "tensor_parallel_size", f"{size} does not divide the model's {name} ({value})")
+    if size > 1 and model.quantization == "auto" and model.path.endswith(".gguf"):
+        # Refused here, before the workers start: a packed shard must hold whole blocks.
+        from kvpilot.runtime.models.gguf_checkpoint import open_gguf
+
+        problem = open_gguf(model.path).row_parallel_split_problem(size)
+        _require(problem is None, "tensor_parallel_size", problem or "")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

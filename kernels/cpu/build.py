@@ -29,9 +29,10 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent
 # The compiler is `$CC` when set, else `cc`; `$KVPILOT_KERNEL_CACHE` overrides the cache folder.
 CC_ENV, CACHE_ENV = "CC", "KVPILOT_KERNEL_CACHE"
-# -march=native: the library is built on the machine that runs it (the CPU is in its hash).
-FLAGS = ("-std=c11", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
-         "-Wall", "-Werror")
+COMMON_FLAGS = ("-std=c11", "-O3", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-Wall", "-Werror")
+# -march=native: the library is built on the machine that runs it (the CPU is in its hash). The
+# quantized matmul instead builds one library per ISA level with explicit flags (isa.py).
+FLAGS = ("-march=native", *COMMON_FLAGS)
 _COMPILE_TIMEOUT_S = 300
 
 
@@ -52,17 +53,23 @@ def load(name: str) -> ctypes.CDLL:
     return load_source(SOURCE_DIR / f"{name}.c")
 
 
-def load_source(source: Path) -> ctypes.CDLL:
+def load_source(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """The library built from any C file, as `load` builds its own (a benchmark builds an older
-    revision's source beside the current one)."""
-    compiler = _compiler()
-    target = cache_dir() / f"{source.stem}-{_build_key(source, compiler)}.so"
-    if not target.is_file():
-        _compile(compiler, source, target)
+    revision's source beside the current one); `flags` replace the default compiler flags."""
+    target = library_path(source, flags)
     try:
         return ctypes.CDLL(str(target))
     except OSError as error:
         raise KernelBuildError(f"built {target} but could not load it: {error}") from error
+
+
+def library_path(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The cached library built from `source` with `flags`, compiled now unless already there."""
+    compiler = _compiler()
+    target = cache_dir() / f"{source.stem}-{_build_key(source, compiler, flags)}.so"
+    if not target.is_file():
+        _compile(compiler, source, target, flags)
+    return target
 
 
 def _compiler() -> list[str]:
@@ -73,9 +80,9 @@ def _compiler() -> list[str]:
     return command
 
 
-def _build_key(source: Path, compiler: list[str]) -> str:
+def _build_key(source: Path, compiler: list[str], flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(compiler + list(FLAGS)).encode(), _compiler_identity(tuple(compiler)),
+    for part in (source.read_bytes(), " ".join(compiler + list(flags)).encode(), _compiler_identity(tuple(compiler)),
                  _cpu_identity()):
         digest.update(part)
         digest.update(b"\0")
@@ -99,7 +106,7 @@ def _cpu_identity() -> bytes:
     return "\n".join([platform.machine(), platform.processor(), *dict.fromkeys(wanted)]).encode()
 
 
-def _compile(compiler: list[str], source: Path, target: Path) -> None:
+def _compile(compiler: list[str], source: Path, target: Path, flags: tuple[str, ...]) -> None:
     """Compiles into a temporary name beside the target, then renames: processes building the
     same library at once each rename a whole file, and a reader never sees a partial one."""
     try:
@@ -110,7 +117,7 @@ def _compile(compiler: list[str], source: Path, target: Path) -> None:
                                f"point ${CACHE_ENV} at a writable one") from error
     os.close(fd)
     try:
-        command = [*compiler, *FLAGS, "-o", scratch, str(source), "-lm"]
+        command = [*compiler, *flags, "-o", scratch, str(source), "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired as error:

@@ -1,8 +1,9 @@
 """A single GGUF file (llama.cpp's format) as the engine sees it: metadata, config and weights.
 
-The file is read with `gguf`, the reader published by the llama.cpp project. Weights are
-dequantized one tensor at a time to float32 with gguf's own dequantizer, renamed to Hugging Face
-names, and handed to the model's loader, which cuts each rank's shard out of them; only numpy is
+The file is read with `gguf`, the reader published by the llama.cpp project. Weights are either
+kept packed (the types kernels/cpu/quant_matmul.py reads) or dequantized one tensor at a time to
+float32 with gguf's own dequantizer, renamed to Hugging Face names, and handed to the model's
+loader, which cuts each rank's shard out of them; only numpy is
 needed until then, so the API-server process can read the config and tokenizer without torch.
 """
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvpilot.kernels.cpu.quant_matmul import PackedWeight
 
 # general.architecture -> the engine's model class; Mistral files say "llama" too.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -59,14 +63,13 @@ def open_gguf(path: str | Path) -> "GGUFCheckpoint":
 
 class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
-        # Imported here: HF-folder users and the operator never need the package.
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"model: no such GGUF file: {path!s}")
         try:
-            self._reader = GGUFReader(self.path)
+            self._reader = _reader_class()(self.path)
+        except GGUFError:
+            raise
         except Exception as err:
             # The reader indexes straight into a memory map: a short or foreign file surfaces
             # as whatever numpy raised on the first out-of-range field.
@@ -86,6 +89,25 @@ class GGUFCheckpoint:
 
     def arch_metadata(self, key: str, default=None):
         return self.metadata(f"{self.arch}.{key}", default)
+
+    def row_parallel_split_problem(self, tp_size: int) -> str | None:
+        """Why `tp_size` ranks cannot split this file's packed row-parallel matrices (o_proj,
+        down_proj: each rank takes a slice of the inputs) along whole quantization blocks, or None."""
+        from gguf import GGML_QUANT_SIZES
+
+        from kvpilot.kernels.cpu.quant_matmul import PACKED_TYPES
+
+        for tensor in self._reader.tensors:
+            if not tensor.name.endswith(("attn_output.weight", "ffn_down.weight")) or \
+                    tensor.tensor_type.name not in PACKED_TYPES:
+                continue
+            block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+            shard = int(tensor.shape[0]) // tp_size
+            if shard % block:
+                return (f"{tp_size} would split {hf_tensor_name(tensor.name)} ({tensor.tensor_type.name}) into "
+                        f"shards of {shard} inputs, inside its blocks of {block}; use a size whose shards hold "
+                        f"whole blocks, or --quantization none")
+        return None
 
     @property
     def tensor_names(self) -> list[str]:
@@ -138,23 +160,81 @@ class GGUFCheckpoint:
                             "kvpilot implements only linear scaling for GGUF files")
         return {"rope_type": "linear", "factor": self.arch_metadata("rope.scaling.factor")}
 
-    def iterate_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, float32 array in Hugging Face layout) for every tensor, one at a time."""
+    def iterate_weights(self, num_heads: int, num_kv_heads: int,
+                        keep_packed: bool = False) -> Iterator[tuple[str, "np.ndarray | PackedWeight"]]:
+        """(Hugging Face name, weight in Hugging Face layout) for every tensor, one at a time: a float32
+        array, or with `keep_packed` a PackedWeight for the types the quantized matmul reads."""
         from gguf.quants import dequantize
+
+        from kvpilot.kernels.cpu.quant_matmul import PACKED_TYPES
 
         for tensor in self._reader.tensors:
             name = hf_tensor_name(tensor.name)
-            if tensor.tensor_type.name in _PLAIN_TYPES:
-                weight = np.array(tensor.data, dtype=np.float32)  # a copy: the memory map is read-only
-            else:
-                weight = dequantize(tensor.data, tensor.tensor_type)
+            qtype = tensor.tensor_type.name
             # numpy's shape is ggml's reversed, which is already PyTorch's (out, in) order.
-            weight = weight.reshape([int(n) for n in reversed(tensor.shape)])
+            shape = [int(n) for n in reversed(tensor.shape)]
+            packed = keep_packed and qtype in PACKED_TYPES and len(shape) == 2
+            if packed:
+                # [rows, bytes per row], a copy (the map is read-only): the row reorder below
+                # moves each row's blocks as they are.
+                weight = np.array(tensor.data).reshape(shape[0], -1)
+            elif qtype in _PLAIN_TYPES:
+                weight = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the map is read-only
+            else:
+                weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary_rows(weight, num_heads)
             elif self.arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = unpermute_rotary_rows(weight, num_kv_heads)
-            yield name, weight
+            yield name, self._as_packed(tensor.name, qtype, shape, weight) if packed else weight
+
+    def kept_packed(self) -> tuple[list[str], list[str]]:
+        """(packed, dequantized): the file's quantized matrix types that stay packed and those
+        dequantized at load, each once."""
+        from kvpilot.kernels.cpu.quant_matmul import PACKED_TYPES
+
+        types = {t.tensor_type.name for t in self._reader.tensors
+                 if t.tensor_type.name not in _PLAIN_TYPES and len(t.shape) == 2}
+        return sorted(types & PACKED_TYPES), sorted(types - PACKED_TYPES)
+
+    def _as_packed(self, gguf_name: str, qtype: str, shape: list[int], rows: np.ndarray) -> "PackedWeight":
+        from kvpilot.kernels.cpu.quant_matmul import from_gguf
+
+        try:
+            return from_gguf(qtype, *shape, rows)
+        except ValueError as err:
+            raise GGUFError(f"model: tensor {gguf_name} in {self.path.name}: {err}") from None
+
+
+@functools.cache
+def _reader_class() -> type:
+    # Imported here: HF-folder users and the operator never need the package.
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class TensorNamingReader(GGUFReader):
+        """gguf's reader, naming the tensor whose type code is unknown, whose rows are not whole
+        blocks, or whose data runs past the end of a cut file (the reader itself fails on an enum
+        lookup or a numpy reshape that names no tensor)."""
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            known = {int(qtype): size for qtype, size in GGML_QUANT_SIZES.items()}
+            for field in fields:
+                _, _, _, dims, raw_type, offset = field.parts
+                if int(raw_type[0]) not in known:
+                    raise GGUFError(f"model: tensor {field.name} in {Path(self.data.filename).name} has type "
+                                    f"code {int(raw_type[0])}, which is no GGML type kvpilot knows")
+                block, block_bytes = known[int(raw_type[0])]
+                if int(dims[0]) % block:
+                    raise GGUFError(f"model: tensor {field.name} in {Path(self.data.filename).name} has rows of "
+                                    f"{int(dims[0])} values, which are not whole blocks of {block} "
+                                    f"({GGMLQuantizationType(int(raw_type[0])).name})")
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) // block * block_bytes
+                if end > len(self.data):
+                    raise GGUFError(f"model: tensor {field.name} in {Path(self.data.filename).name} ends at byte "
+                                    f"{end}, past the end of the file ({len(self.data)} bytes): the file is cut short")
+            super()._build_tensors(start_offs, fields)
+
+    return TensorNamingReader
 
 
 def hf_tensor_name(gguf_name: str) -> str:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels.cpu.quant_matmul import PackedWeight
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.distributed import tp_size
 from kvpilot.runtime.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -110,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, backend.name)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.tie_to(self.embed_tokens)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -152,7 +153,14 @@ class LlamaForCausalLM(nn.Module):
             # A bias the model's layer was built without (mlp_bias, say) is None there.
             if getattr(module, param_name, None) is None:
                 raise ValueError(f"checkpoint has a weight this model does not: {hf_name}")
-            module.load(param_name, tensor.to(self.config.torch_dtype), index)
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(self.config.torch_dtype)
+            try:
+                module.load(param_name, tensor, index)
+            except ValueError as err:  # packed: a shard inside a block, or fused parts packed and float
+                raise ValueError(f"checkpoint weight {hf_name} {err}") from None
+        if self.config.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
         missing = [name if name.startswith("lm_head.") else f"model.{name}"
                    for name in self._unfused_parameter_names() if name not in loaded]
         if missing:
@@ -171,14 +179,16 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
-def _check_shape(hf_name: str, tensor: torch.Tensor, weight_shape: tuple[int, ...] | None, param_name: str) -> None:
+def _check_shape(hf_name: str, tensor: torch.Tensor | PackedWeight, weight_shape: tuple[int, ...] | None,
+                 param_name: str) -> None:
     """The layers cut their shard out of the tensor they are given: one of the wrong size would load
     in part, or load too much, without a word."""
     if weight_shape is None:
         return
     expected = weight_shape if param_name == "weight" else weight_shape[:1]
-    if tuple(tensor.shape) != expected:
-        raise ValueError(f"checkpoint weight {hf_name} has shape {tuple(tensor.shape)}, where the model's config "
+    shape = (tensor.rows, tensor.cols) if isinstance(tensor, PackedWeight) else tuple(tensor.shape)
+    if shape != expected:
+        raise ValueError(f"checkpoint weight {hf_name} has shape {shape}, where the model's config "
                          f"implies {expected}")
 
 

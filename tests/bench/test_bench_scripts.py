@@ -20,6 +20,8 @@ TINY_ARGS = {
                                    "--window", "2", "--repetitions", "1", "--settings", "64:0,32:0"],
     # No checkpoint: the kernels run on tiny shapes (under the Triton interpreter without a GPU).
     "kernels.py": ["--tiny"],
+    "quant_matmul.py": ["--tiny"],
+    "packed_weights.py": ["--batch", "2", "--prompt-len", "8", "--new-tokens", "2", "--repeats", "1"],
     "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1",
                              "--baseline", "HEAD", "--cold"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
@@ -48,11 +50,11 @@ TINY_ARGS = {
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
                               "--repetitions", "1"],
 }
-MODEL_FREE = {"kernels.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
+MODEL_FREE = {"kernels.py", "quant_matmul.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
 # temporary folder, so that it never overwrites the committed results.
 WRITES_REPORT = {"concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py", "serving_sweep.py",
-                 "router_overhead.py", "router_prefix_ttft.py"}
+                 "router_overhead.py", "router_prefix_ttft.py", "quant_matmul.py"}
 
 
 def test_every_script_has_a_tiny_mode():

@@ -24,6 +24,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from kvpilot.kernels.cpu.quant_matmul import PackedWeight, pack_int8
+from kvpilot.kernels.dequant_matmul import dequant_matmul
 from kvpilot.kernels.lora import lora_apply
 from kvpilot.kernels.paged_attention import paged_attention
 from kvpilot.kernels.reshape_and_cache import reshape_and_cache
@@ -94,6 +96,11 @@ def main() -> int:
     # Four adapters of rank 16 on a Llama-3-8B q projection, for a decode batch of 64 rows.
     lora_apply(meta(64, 4096), meta(64, 4096), meta(4, 16, 4096), meta(4, 4096, 16),
                meta(64, dtype=torch.int64), meta(4, dtype=torch.float32))
+    # SmolLM2's gate/up at 16 tokens in its file's Q4_1, and the other decodings (Q5's bits, bytes, int8).
+    for qtype, row_bytes in (("Q4_1", 360), ("Q5_0", 396), ("Q8_0", 612)):
+        dequant_matmul(meta(16, 576, dtype=torch.float32),
+                       PackedWeight(qtype, 1536, 576, torch.zeros(1536, row_bytes, dtype=torch.uint8)))
+    dequant_matmul(meta(16, 576, dtype=torch.float32), pack_int8(torch.zeros(1536, 576)))
     for fn, args, kwargs in launches:
         kernel = compile_launch(fn, args, kwargs, target)
         assert kernel.asm["cubin"], fn.__name__

@@ -9,7 +9,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("compile_for_cuda.py")
 KERNELS = ("_paged_attention_kernel", "_merge_splits_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel",
-           "_rotary_kernel", "_shrink_kernel", "_expand_kernel")
+           "_rotary_kernel", "_shrink_kernel", "_expand_kernel", "_dequant_matmul_kernel")
 
 
 def test_every_launch_compiles_to_a_cubin_for_sm90(tmp_path):

@@ -1,7 +1,10 @@
 """The engine against transformers on a trained model: SmolLM2-135M-Instruct from its GGUF file.
 
-Both sides load the same file (transformers with `gguf_file=`) and dequantize it to the same
-float32 weights; the engine then decodes 8 chat prompts in one batch, at TP 1 and TP 3.
+Both sides load the same file: transformers (`gguf_file=`) dequantizes it to float32; the engine
+keeps its Q4_1 and Q8_0 matrices packed (the default `--quantization auto`) and multiplies them
+with the quantized matmul, which equals float32 matmul on the same dequantized weights up to
+summation order. The engine decodes 8 chat prompts in one batch, at TP 1 and TP 3 (row-parallel
+shards of 192 and 512 inputs: whole Q4_1 blocks).
 
 Greedy decoding takes, at each step, the argmax given the tokens before it. So transformers'
 greedy continuation equals the engine's exactly when every engine token is transformers' argmax

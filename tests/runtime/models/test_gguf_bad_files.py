@@ -29,13 +29,46 @@ def _serve_usage_error(capsys, path) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("keep", [0.5, 0.05], ids=["in-the-tensors", "in-the-header"])
-def test_a_truncated_file(tmp_path, capsys, keep):
+def test_a_file_cut_in_the_header(tmp_path, capsys):
     path = write_gguf(tmp_path / "cut.gguf", _weights())
-    data = path.read_bytes()
-    path.write_bytes(data[: int(len(data) * keep)])
+    path.write_bytes(path.read_bytes()[:60])
+    assert "cut.gguf is not a readable GGUF file (truncated or corrupt?)" in _serve_usage_error(capsys, path)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_K])
+def test_a_file_cut_in_a_tensor_names_it(tmp_path, capsys, qtype):
+    path = write_gguf(tmp_path / "cut.gguf", _weights(qtype))
+    path.write_bytes(path.read_bytes()[:-7])
     error = _serve_usage_error(capsys, path)
-    assert "cut.gguf is not a readable GGUF file (truncated or corrupt?)" in error
+    assert "tensor blk.0.ffn_up.weight in cut.gguf ends at byte" in error and "the file is cut short" in error
+
+
+def _edit_tensor_info(path, dims: tuple[int, ...] | None = None, type_code: int | None = None) -> None:
+    """Rewrite the first tensor's declared dims or type in place (gguf's writer refuses to write either)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"blk.0.ffn_up.weight") + len("blk.0.ffn_up.weight")
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    if dims is not None:
+        assert len(dims) == n_dims
+        for i, n in enumerate(dims):
+            data[at + 4 + 8 * i: at + 12 + 8 * i] = n.to_bytes(8, "little")
+    if type_code is not None:
+        data[at + 4 + 8 * n_dims: at + 8 + 8 * n_dims] = type_code.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def test_an_unknown_type_code_names_the_tensor(tmp_path, capsys):
+    path = write_gguf(tmp_path / "u.gguf", _weights(Q.Q8_0))
+    _edit_tensor_info(path, type_code=250)
+    assert "tensor blk.0.ffn_up.weight in u.gguf has type code 250, which is no GGML type" in \
+        _serve_usage_error(capsys, path)
+
+
+def test_rows_that_are_not_whole_blocks_name_the_tensor(tmp_path, capsys):
+    path = write_gguf(tmp_path / "b.gguf", _weights(Q.Q8_0))
+    _edit_tensor_info(path, dims=(COLS - 8, ROWS))  # ggml order: the row length first
+    assert "tensor blk.0.ffn_up.weight in b.gguf has rows of 248 values, which are not whole blocks of 32 (Q8_0)" \
+        in _serve_usage_error(capsys, path)
 
 
 def test_an_architecture_the_engine_does_not_implement(tmp_path, capsys):

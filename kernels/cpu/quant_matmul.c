@@ -1,0 +1,472 @@
+/* out[M, rows] = x[M, cols] @ W^T for a weight W kept packed (GGML blocks Q4_0 ... Q6_K, or int8
+ * rows with one float scale each): float32 activations, each block dequantized to float32 in
+ * registers (or an L1-sized scratch), float32 accumulation. No activation is ever quantized, so
+ * the result is float32 matmul on the dequantized weights up to summation order.
+ *
+ * Two shapes:
+ * - a few rows of x (decode): each weight row is streamed once, every block dequantized once and
+ *   multiplied into all M rows; memory-bound, so its job is to keep up with the weight bytes;
+ * - many rows (prefill, big batches): a tile of TILE_ROWS weight rows x TILE_COLS columns is
+ *   dequantized once into a float32 scratch, then a register-blocked micro-kernel runs it against
+ *   every row of x.
+ * OpenMP splits the output rows (weight rows) between threads.
+ *
+ * One source, built once per ISA level with explicit -m flags (build.py, isa.py): the vector width
+ * below follows what the level's flags enable, and GCC's vector extensions lower to that level's
+ * instructions. `quant_matmul_self_check` runs every type through both shapes against a plain
+ * loop, so a child process can prove a level runs (and computes) on this CPU before it is used.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+/* A group of 16 float32 lanes, as the level's native vectors: one at AVX-512, two at AVX2, four at
+ * the SSE2 baseline. (A 64-byte GCC vector type below AVX-512 is lowered through the stack.) */
+#define VW 16
+#if defined(__AVX512F__)
+#define NATIVE 16
+#elif defined(__AVX2__)
+#define NATIVE 8
+#else
+#define NATIVE 4
+#endif
+#define PARTS (VW / NATIVE)
+typedef float vn __attribute__((vector_size(NATIVE * 4)));
+typedef float vn_unaligned __attribute__((vector_size(NATIVE * 4), aligned(4)));
+typedef struct { vn part[PARTS]; } vf;
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16_unaligned __attribute__((vector_size(16), aligned(1)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+#define INLINE static inline __attribute__((always_inline))
+
+/* The type codes quant_matmul.py passes (its QTYPE_CODES). */
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8, NUM_TYPES };
+/* Up to this many rows of x the decode shape runs; past it the tiled one. */
+#define GEMV_MAX_M 4
+#define GEMV_ROWS_PER_TASK 16
+#define TILE_ROWS 8
+#define TILE_COLS 1536
+#if defined(__AVX512F__)
+#define MR 4
+#define NR 4
+#else
+#define MR 2
+#define NR 2
+#endif
+/* Below this many multiply-adds a parallel region costs more than it saves. */
+#define PARALLEL_MIN 65536
+
+INLINE int block_size(const int t) { return t == Q4_K || t == Q5_K || t == Q6_K ? 256 : 32; }
+
+INLINE int block_bytes(const int t)
+{
+    switch (t) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 32;
+    }
+}
+
+INLINE float half_to_float(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) /* else: the bits rebuilt by hand, exact for every half including subnormals */
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F)
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    else if (exponent)
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else if (!mantissa)
+        bits = sign;
+    else { /* subnormal: normalise the mantissa, one exponent step per shift */
+        uint32_t e = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            e--;
+        }
+        bits = sign | (e << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+INLINE vf load(const float *p)
+{
+    vf v;
+    for (int i = 0; i < PARTS; i++)
+        v.part[i] = *(const vn_unaligned *)(p + NATIVE * i);
+    return v;
+}
+
+INLINE void store(float *p, vf v)
+{
+    for (int i = 0; i < PARTS; i++)
+        *(vn_unaligned *)(p + NATIVE * i) = v.part[i];
+}
+
+INLINE vf zero(void) { return (vf){0}; }
+
+/* acc + a * b, lane by lane (one fused multiply-add where the level has them). */
+INLINE vf multiply_add(vf acc, vf a, vf b)
+{
+    for (int i = 0; i < PARTS; i++)
+        acc.part[i] += a.part[i] * b.part[i];
+    return acc;
+}
+
+/* scale * q + offset, lane by lane. */
+INLINE vf affine(vf q, float scale, float offset)
+{
+    for (int i = 0; i < PARTS; i++)
+        q.part[i] = scale * q.part[i] + offset;
+    return q;
+}
+
+INLINE float hsum(vf v)
+{
+    vn s = v.part[0];
+    for (int i = 1; i < PARTS; i++)
+        s += v.part[i];
+    float total = 0.0f;
+    for (int i = 0; i < NATIVE; i++)
+        total += s[i];
+    return total;
+}
+
+/* Q4_K / Q5_K: the j-th of 8 six-bit (scale, min) pairs packed into 12 bytes. */
+INLINE void k_scale_min(const uint8_t *s, int j, float *scale, float *min)
+{
+    if (j < 4) {
+        *scale = (float)(s[j] & 63);
+        *min = (float)(s[j + 4] & 63);
+    } else {
+        *scale = (float)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+        *min = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+INLINE u8x16 bytes16(const uint8_t *p) { return *(const u8x16_unaligned *)p; }
+
+/* 16 bytes (unsigned or signed) to 16 floats. GCC's generic conversion goes one lane at a time,
+ * so each level widens with its own instructions. */
+#if defined(__AVX512F__)
+INLINE vf to_float(u8x16 q) { return (vf){{(vn)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q))}}; }
+INLINE vf to_float_signed(u8x16 q) { return (vf){{(vn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q))}}; }
+#elif defined(__AVX2__)
+INLINE vf to_float(u8x16 q)
+{
+    const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
+    return (vf){{(vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), (vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(top))}};
+}
+INLINE vf to_float_signed(u8x16 q)
+{
+    const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
+    return (vf){{(vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), (vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(top))}};
+}
+#elif defined(__SSE2__)
+INLINE vf to_float(u8x16 q)
+{
+    const __m128i zero = _mm_setzero_si128(), lo = _mm_unpacklo_epi8((__m128i)q, zero),
+                  hi = _mm_unpackhi_epi8((__m128i)q, zero);
+    return (vf){{(vn)_mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero)), (vn)_mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero)),
+                 (vn)_mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero)), (vn)_mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero))}};
+}
+INLINE vf to_float_signed(u8x16 q)
+{
+    /* Each byte into the top of a 32-bit lane; the arithmetic shift sign-extends it. */
+    const __m128i v = (__m128i)q, lo = _mm_unpacklo_epi8(v, v), hi = _mm_unpackhi_epi8(v, v);
+    return (vf){{(vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24)),
+                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 24)),
+                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 24)),
+                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 24))}};
+}
+#else
+INLINE vf to_float(u8x16 q)
+{
+    vf v;
+    for (int i = 0; i < VW; i++)
+        v.part[i / NATIVE][i % NATIVE] = (float)q[i];
+    return v;
+}
+INLINE vf to_float_signed(u8x16 q)
+{
+    vf v;
+    for (int i = 0; i < VW; i++)
+        v.part[i / NATIVE][i % NATIVE] = (float)(int8_t)q[i];
+    return v;
+}
+#endif
+
+/* Bits 0..15 (half 0) or 16..31 (half 1) of the 32 bits at qh, one per lane, as 0 or 16. */
+INLINE u8x16 fifth_bits(const uint8_t *qh, int half)
+{
+    const u8x16 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const u8x16 two = {qh[2 * half], qh[2 * half + 1]};
+    const u8x16 spread = __builtin_shuffle(two, (u8x16){0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1});
+    return (u8x16)((spread & mask) != 0) & 16;
+}
+
+/* Weights [16 g, 16 g + 16) of one block of type t, each as gguf's dequantizer computes it. */
+INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, float row_scale)
+{
+    switch (t) {
+    case Q4_0: {
+        const u8x16 q = bytes16(b + 2);
+        return affine(to_float_signed((g ? q >> 4 : q & 15) - 8), half_to_float(b), 0.0f);
+    }
+    case Q4_1: {
+        const u8x16 q = bytes16(b + 4);
+        return affine(to_float(g ? q >> 4 : q & 15), half_to_float(b), half_to_float(b + 2));
+    }
+    case Q5_0: {
+        const u8x16 q = bytes16(b + 6);
+        return affine(to_float_signed(((g ? q >> 4 : q & 15) | fifth_bits(b + 2, g)) - 16), half_to_float(b), 0.0f);
+    }
+    case Q5_1: {
+        const u8x16 q = bytes16(b + 8);
+        return affine(to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 4, g)), half_to_float(b), half_to_float(b + 2));
+    }
+    case Q8_0:
+        return affine(to_float_signed(bytes16(b + 2 + 16 * g)), half_to_float(b), 0.0f);
+    case Q4_K: case Q5_K: {
+        /* 4 runs of 64 weights: 32 bytes, their low nibbles sub-block 2c, their high ones 2c + 1. */
+        const int c = g / 4, high = (g / 2) & 1, part = g & 1;
+        float scale, min;
+        k_scale_min(b + 4, 2 * c + high, &scale, &min);
+        const uint8_t *qs = (t == Q5_K ? b + 48 : b + 16) + 32 * c + 16 * part;
+        u8x16 q = high ? bytes16(qs) >> 4 : bytes16(qs) & 15;
+        if (t == Q5_K)
+            q |= ((bytes16(b + 16 + 16 * part) >> (2 * c + high)) & 1) << 4;
+        return affine(to_float(q), half_to_float(b) * scale, -(half_to_float(b + 2) * min));
+    }
+    case Q6_K: {
+        /* Two runs of 128: weight l + 32 k (l < 32) takes the low (k even) or high nibble of
+         * ql[l + 32 (k & 1)] and bits 2k, 2k + 1 of qh[l]; one int8 scale per 16 weights. */
+        const int half = g / 8, k = (g / 2) & 3, part = g & 1;
+        const uint8_t *ql = b + 64 * half + 32 * (k & 1) + 16 * part, *qh = b + 128 + 32 * half + 16 * part;
+        const u8x16 low = k < 2 ? bytes16(ql) & 15 : bytes16(ql) >> 4;
+        const u8x16 q = low | (((bytes16(qh) >> (2 * k)) & 3) << 4);
+        const float scale = half_to_float(b + 208) * (float)(int8_t)b[192 + 8 * half + 2 * k + part];
+        return affine(to_float_signed(q - 32), scale, 0.0f);
+    }
+    default: /* I8: 16 weights of one row */
+        return affine(to_float_signed(bytes16(b + 16 * g)), row_scale, 0.0f);
+    }
+}
+
+struct problem {
+    const uint8_t *w;          /* weight rows, w_stride bytes apart */
+    int64_t w_stride;
+    const float *row_scales;   /* int8 only */
+    int64_t rows, cols;
+    const float *x;            /* [m, cols], rows x_stride floats apart */
+    int64_t x_stride, m;
+    float *out;                /* [m, rows], rows out_stride floats apart */
+    int64_t out_stride;
+};
+
+/* Columns [k0, k0 + n) of weight row r into w (int8's columns past its last whole block included). */
+INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int64_t k0, int64_t n, float *w)
+{
+    const int bs = block_size(t);
+    const uint8_t *row = p->w + r * p->w_stride;
+    const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
+    const int64_t whole = n / bs * bs;
+    for (int64_t k = 0; k < whole; k += bs)
+        _Pragma("GCC unroll 16") for (int g = 0; g < bs / VW; g++)
+            store(w + k + VW * g, dequantize_group(t, row + (k0 + k) / bs * block_bytes(t), g, row_scale));
+    for (int64_t k = whole; k < n; k++) /* only int8 has columns outside whole blocks */
+        w[k] = row_scale * (float)(int8_t)row[k0 + k];
+}
+
+/* Decode shape: weight rows [r0, r1), each block dequantized once for all M (<= GEMV_MAX_M) rows. */
+INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t r0, int64_t r1)
+{
+    const int bs = block_size(t), bb = block_bytes(t);
+    const int64_t blocks = p->cols / bs, whole = blocks * bs;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = p->w + r * p->w_stride;
+        const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
+        vf acc[M][2];
+        for (int m = 0; m < M; m++)
+            acc[m][0] = acc[m][1] = zero();
+        for (int64_t b = 0; b < blocks; b++)
+            _Pragma("GCC unroll 16") for (int g = 0; g < bs / VW; g++) {
+                const vf wv = dequantize_group(t, row + b * bb, g, row_scale);
+                for (int m = 0; m < M; m++)
+                    acc[m][g & 1] = multiply_add(acc[m][g & 1], wv, load(p->x + m * p->x_stride + b * bs + VW * g));
+            }
+        for (int m = 0; m < M; m++) {
+            float sum = hsum(acc[m][0]) + hsum(acc[m][1]);
+            for (int64_t k = whole; k < p->cols; k++)
+                sum += row_scale * (float)(int8_t)row[k] * p->x[m * p->x_stride + k];
+            p->out[m * p->out_stride + r] = sum;
+        }
+    }
+}
+
+/* Tiled shape: weight rows [r0, r0 + TILE_ROWS), TILE_COLS columns at a time, dequantized once
+ * into the scratch, then MR x NR dot products at a time against every row of x. Rows past the
+ * weight's or x's end are computed from clamped pointers and never written. */
+INLINE void tile_rows(const int t, const struct problem *p, int64_t r0)
+{
+    float scratch[TILE_ROWS * TILE_COLS] __attribute__((aligned(64)));
+    const int64_t nt = p->rows - r0 < TILE_ROWS ? p->rows - r0 : TILE_ROWS;
+    for (int64_t k0 = 0; k0 < p->cols; k0 += TILE_COLS) {
+        const int64_t kc = p->cols - k0 < TILE_COLS ? p->cols - k0 : TILE_COLS, vec_end = kc / VW * VW;
+        for (int64_t n = 0; n < nt; n++)
+            dequantize_span(t, p, r0 + n, k0, kc, scratch + n * TILE_COLS);
+        for (int64_t m0 = 0; m0 < p->m; m0 += MR) {
+            const float *xs[MR];
+            for (int i = 0; i < MR; i++)
+                xs[i] = p->x + (m0 + i < p->m ? m0 + i : p->m - 1) * p->x_stride + k0;
+            for (int64_t n0 = 0; n0 < nt; n0 += NR) {
+                const float *ws[NR];
+                for (int j = 0; j < NR; j++)
+                    ws[j] = scratch + (n0 + j < nt ? n0 + j : nt - 1) * TILE_COLS;
+                vf acc[MR][NR];
+                for (int i = 0; i < MR; i++)
+                    for (int j = 0; j < NR; j++)
+                        acc[i][j] = zero();
+                for (int64_t k = 0; k < vec_end; k += VW) {
+                    vf xv[MR], wv[NR];
+                    for (int i = 0; i < MR; i++)
+                        xv[i] = load(xs[i] + k);
+                    for (int j = 0; j < NR; j++)
+                        wv[j] = load(ws[j] + k);
+                    for (int i = 0; i < MR; i++)
+                        for (int j = 0; j < NR; j++)
+                            acc[i][j] = multiply_add(acc[i][j], xv[i], wv[j]);
+                }
+                for (int i = 0; i < MR && m0 + i < p->m; i++)
+                    for (int j = 0; j < NR && n0 + j < nt; j++) {
+                        float sum = hsum(acc[i][j]);
+                        for (int64_t k = vec_end; k < kc; k++)
+                            sum += xs[i][k] * ws[j][k];
+                        float *o = p->out + (m0 + i) * p->out_stride + r0 + n0 + j;
+                        *o = k0 ? *o + sum : sum;
+                    }
+            }
+        }
+    }
+}
+
+#define DEFINE_TYPE(T)                                                                      \
+    static void gemv_##T(const struct problem *p, int64_t r0, int64_t r1)                   \
+    {                                                                                       \
+        switch (p->m) {                                                                     \
+        case 1: gemv_rows(T, 1, p, r0, r1); break;                                          \
+        case 2: gemv_rows(T, 2, p, r0, r1); break;                                          \
+        case 3: gemv_rows(T, 3, p, r0, r1); break;                                          \
+        default: gemv_rows(T, 4, p, r0, r1);                                                \
+        }                                                                                   \
+    }                                                                                       \
+    static void tile_##T(const struct problem *p, int64_t r0) { tile_rows(T, p, r0); }
+DEFINE_TYPE(Q4_0)
+DEFINE_TYPE(Q4_1)
+DEFINE_TYPE(Q5_0)
+DEFINE_TYPE(Q5_1)
+DEFINE_TYPE(Q8_0)
+DEFINE_TYPE(Q4_K)
+DEFINE_TYPE(Q5_K)
+DEFINE_TYPE(Q6_K)
+DEFINE_TYPE(I8)
+
+typedef void (*gemv_fn)(const struct problem *, int64_t, int64_t);
+typedef void (*tile_fn)(const struct problem *, int64_t);
+static const gemv_fn GEMV[NUM_TYPES] = {gemv_Q4_0, gemv_Q4_1, gemv_Q5_0, gemv_Q5_1, gemv_Q8_0,
+                                        gemv_Q4_K, gemv_Q5_K, gemv_Q6_K, gemv_I8};
+static const tile_fn TILE[NUM_TYPES] = {tile_Q4_0, tile_Q4_1, tile_Q5_0, tile_Q5_1, tile_Q8_0,
+                                        tile_Q4_K, tile_Q5_K, tile_Q6_K, tile_I8};
+
+/* The caller (quant_matmul.py) has checked the shapes: cols in whole blocks (int8: any), x and
+ * out with contiguous rows. Returns 1 for an unknown type code, touching nothing. */
+int quant_matmul_f32(int qtype, const uint8_t *w, int64_t w_stride, const float *row_scales, int64_t rows,
+                     int64_t cols, const float *x, int64_t x_stride, int64_t m, float *out, int64_t out_stride,
+                     int threads)
+{
+    if (qtype < 0 || qtype >= NUM_TYPES)
+        return 1;
+    const struct problem p = {w, w_stride, row_scales, rows, cols, x, x_stride, m, out, out_stride};
+    const int parallel = threads > 1 && rows * cols * m >= PARALLEL_MIN;
+    if (m <= 0 || rows <= 0)
+        return 0;
+    if (m <= GEMV_MAX_M) {
+        const gemv_fn gemv = GEMV[qtype];
+        const int64_t tasks = (rows + GEMV_ROWS_PER_TASK - 1) / GEMV_ROWS_PER_TASK;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t r0 = task * GEMV_ROWS_PER_TASK;
+            gemv(&p, r0, r0 + GEMV_ROWS_PER_TASK < rows ? r0 + GEMV_ROWS_PER_TASK : rows);
+        }
+    } else {
+        const tile_fn tile = TILE[qtype];
+        const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+        for (int64_t i = 0; i < tiles; i++)
+            tile(&p, i * TILE_ROWS);
+    }
+    return 0;
+}
+
+/* Every type through both shapes against a plain loop over the same dequantized blocks, on
+ * pseudo-random blocks. Returns 0 when all agree; the type code + 1 of the first that does not.
+ * A level whose instructions the CPU or the OS does not enable dies here with SIGILL. */
+int quant_matmul_self_check(void)
+{
+    enum { ROWS = 5, COLS = 512, M = 7, ROW_BYTES = COLS / 32 * 34 };
+    static uint8_t w[ROWS * ROW_BYTES];
+    static float x[M * COLS], out[M * ROWS], deq[COLS];
+    const float row_scales[ROWS] = {0.01f, 0.02f, 0.03f, 0.04f, 0.05f};
+    uint32_t state = 12345;
+    for (int i = 0; i < M * COLS; i++) {
+        state = state * 1664525u + 1013904223u;
+        x[i] = (float)(state >> 8) / (float)(1 << 24) - 0.5f;
+    }
+    for (int t = 0; t < NUM_TYPES; t++) {
+        const int bs = block_size(t), bb = block_bytes(t), blocks = COLS / bs, row_bytes = blocks * bb;
+        for (int i = 0; i < ROWS * row_bytes; i++) {
+            state = state * 1664525u + 1013904223u;
+            w[i] = (uint8_t)(state >> 24);
+        }
+        if (t != I8) /* fp16 fields: 0.01 (0x211F), at the front of each block, Q6_K's at its end */
+            for (int b = 0; b < ROWS * blocks; b++) {
+                uint8_t *block = w + b * bb;
+                const int offsets[2] = {t == Q6_K ? 208 : 0, 2};
+                const int fields = t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K ? 2 : 1;
+                for (int f = 0; f < fields; f++)
+                    block[offsets[f]] = 0x1F, block[offsets[f] + 1] = 0x21;
+            }
+        for (int m = 1; m <= M; m += M - 1) {
+            quant_matmul_f32(t, w, row_bytes, row_scales, ROWS, COLS, x, COLS, m, out, ROWS, 1);
+            for (int r = 0; r < ROWS; r++) {
+                const struct problem p = {w, row_bytes, row_scales, ROWS, COLS, x, COLS, m, out, ROWS};
+                dequantize_span(t, &p, r, 0, COLS, deq);
+                for (int i = 0; i < m; i++) {
+                    double sum = 0.0, magnitude = 0.0;
+                    for (int k = 0; k < COLS; k++) {
+                        sum += (double)deq[k] * x[i * COLS + k];
+                        magnitude += __builtin_fabs((double)deq[k] * x[i * COLS + k]);
+                    }
+                    const double error = __builtin_fabs(out[i * ROWS + r] - sum);
+                    if (!(error <= 1e-5 * magnitude + 1e-6))
+                        return t + 1;
+                }
+            }
+        }
+    }
+    return 0;
+}
