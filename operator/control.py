@@ -32,6 +32,8 @@ from kvpilot.operator import autoscaler, kube, metrics, naming, reconcile, rende
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
+# The pod-deletion-cost of the pods a scale-down removes; others carry none, which counts as 0.
+REMOVE_FIRST = "-1000"
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,8 @@ class Autoscaling:
             if status.condition(engine, available.type).get("reason") != available.reason:
                 kopf.warn(about, reason=available.reason, message=available.message)
         if decision.reason:
+            # Before the count: the ReplicaSet picks the pods to delete when it sees the count.
+            await self._mark_for_removal(interval.ready, decision.remove)
             await self._reconciler.client.scale(engine, decision.replicas)
             kopf.info(about, reason=decision.reason, message=decision.message)
         now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)
@@ -246,3 +250,14 @@ class Autoscaling:
             return status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
 
         await self._reconciler.update_status(*key, recorded)
+
+    async def _mark_for_removal(self, ready: Sequence[Mapping[str, Any]], remove: Sequence[str]) -> None:
+        """The pods to remove get a pod-deletion-cost below the others' (0, unannotated), so that the
+        ReplicaSet deletes them first; a mark left by an earlier scale-down that did not take that
+        pod (another writer changed the count) is taken off, so that it does not go next in their
+        stead. Only pods whose mark changes are written."""
+        for pod in ready:
+            marked = (pod["metadata"].get("annotations") or {}).get(autoscaler.POD_DELETION_COST)
+            wanted = REMOVE_FIRST if metrics.pod_name(pod) in remove else None
+            if marked != wanted:
+                await self._reconciler.client.annotate(pod, {autoscaler.POD_DELETION_COST: wanted})

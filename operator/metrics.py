@@ -128,13 +128,16 @@ class Prometheus:
         if not names:
             return samples.Reading()
         wanted = samples.queries(namespace, names, self._window)
-        answers = await asyncio.gather(*(self._query(query) for query in wanted.values()), return_exceptions=True)
+        histograms = samples.bucket_queries(namespace, names)
+        answers = await asyncio.gather(*(self._query(query) for query in wanted.values()),
+                                       *(self._query(query, samples.bucket_vector) for query in histograms.values()),
+                                       return_exceptions=True)
         for answer in answers:
             if isinstance(answer, _Failed):
                 return samples.Reading(failure=answer.problem)
             if isinstance(answer, BaseException):
                 raise answer
-        return samples.from_vectors(names, dict(zip(wanted, answers)))
+        return samples.from_vectors(names, dict(zip(wanted, answers)), dict(zip(histograms, answers[len(wanted):])))
 
     async def read_held(self, namespace: str, routers: Sequence[Pod]) -> float | samples.Problem:
         names = [pod_name(pod) for pod in routers]
@@ -146,7 +149,7 @@ class Prometheus:
             return failed.problem
         return samples.held_from_vector(names, answer)
 
-    async def _query(self, query: str) -> dict[str, float]:
+    async def _query(self, query: str, parse: Callable[[Any], Any] = samples.vector) -> Any:
         # POST: with many pods, the query outgrows what a URL may carry.
         try:
             async with self._session.post(
@@ -159,7 +162,7 @@ class Prometheus:
         if status >= 400:
             raise _Failed(samples.UNREACHABLE, f"{self._query_url} answered {status}: {body[:300]!r}")
         try:
-            return samples.vector(json.loads(body))
+            return parse(json.loads(body))
         except ValueError as error:
             raise _Failed(samples.INVALID, f"{self._query_url} answered {status}: {error}") from error
 

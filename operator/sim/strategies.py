@@ -12,6 +12,8 @@ only in the spec they carry:
   read as a rate; decide()'s queue term drains it over a horizon instead.)
 - `kv-only`: the queue term switched off;
 - `static-peak`, `static-mean`: autoscaling off, a fixed count;
+- `oracle-reactive`, `ttft-planner`, `hpa-rps`: sized from the request rate (planners.py), under
+  the autoscaler's stabilization windows and bounds;
 and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`). The
 autoscaled ones also come with `+zero` (before any `+auto`): `minReplicas: 0`, scaling to zero
 after `scaleToZeroAfterSeconds` idle; the CRD allows it only with routing, which holds the
@@ -25,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator import autoscaler, samples, tuner
+from kvpilot.operator.sim import planners
 
-BASES = ("static-peak", "static-mean", "queue-only", "kv-only", "kvpilot")
+BASES = ("static-peak", "static-mean", *planners.NAMES, "queue-only", "kv-only", "kvpilot")
 AUTOSCALED = ("queue-only", "kv-only", "kvpilot")
 TUNED = "+auto"
 TO_ZERO = "+zero"
@@ -46,6 +49,7 @@ class Settings:
     scale_up_stabilization_seconds: float = 0.0
     scale_down_stabilization_seconds: float = 300.0
     scale_to_zero_after_seconds: float = 300.0  # with min_replicas 0
+    backlog_drain_seconds: float = autoscaler.BACKLOG_DRAIN_SECONDS
     calm_window_seconds: float = 300.0
 
 
@@ -58,6 +62,10 @@ class ControlLoop:
     history: tuple[tuple[float, int], ...] = ()
     memory: autoscaler.Memory = field(default_factory=autoscaler.Memory)
     tuner_state: tuner.TunerState = field(default_factory=tuner.TunerState)
+    # A planner's name and what it knows of the load (planners.py), for the rate-sized strategies.
+    planner: tuple[str, planners.Rates] | None = None
+    # The last decision's ready replicas to remove first (autoscaler.Decision.remove).
+    remove: tuple[str, ...] = ()
 
     @property
     def replicas(self) -> int:
@@ -73,11 +81,15 @@ class ControlLoop:
         routers hold (None: no router), as control.py reads it."""
         spec = self.spec
         replicas = spec["replicas"]
-        if self.autoscaled:
+        self.remove = ()
+        if self.planner is not None:
+            replicas = self._plan(ready, starting, now)
+        elif self.autoscaled:
             decision = autoscaler.decide(autoscaler.Policy.from_spec(spec["autoscaling"]), replicas, ready, starting,
                                          reading, self.history, now, self.memory, held=held)
             self.history = decision.history
             self.memory = decision.memory
+            self.remove = decision.remove
             replicas = decision.replicas
         policy = spec["scheduling"]["policy"]
         if policy == tuner.AUTO:
@@ -91,12 +103,28 @@ class ControlLoop:
         spec["replicas"] = replicas
         return replicas, policy
 
+    def _plan(self, ready: list[str], starting: int, now: float) -> int:
+        name, rates = self.planner
+        replicas = self.spec["replicas"]
+        policy = autoscaler.Policy.from_spec(self.spec["autoscaling"])
+        since = now if self.memory.since is None else self.memory.since
+        self.memory = autoscaler.Memory(since=since)
+        wanted = planners.recommend(name, rates, now, policy.interval_seconds, replicas)
+        # Starting pods are never removed, as the autoscaler never removes them.
+        lowest = min(replicas, len(ready) + starting) if starting else 0
+        target, self.history = autoscaler.stabilized(policy, replicas, wanted,
+                                                     self.history, now, since, lowest=lowest)
+        return target
 
-def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) -> ControlLoop:
+
+def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int,
+          rates: planners.Rates | None = None) -> ControlLoop:
     """The strategy called `name` (one of NAMES); `peak` and `mean` are the static counts, and
-    the autoscaled ones start from `initial` replicas."""
+    the autoscaled ones start from `initial` replicas; the planners need `rates`."""
     if name not in NAMES:
         raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}")
+    if name.removesuffix(TUNED) in planners.NAMES and rates is None:
+        raise ValueError(f"strategy {name!r} needs the trace's rates")
     base, tuned = name.removesuffix(TUNED), name.endswith(TUNED)
     base, to_zero = base.removesuffix(TO_ZERO), base.endswith(TO_ZERO)
     kv, queue = settings.target_kv_cache_usage, settings.target_queue_depth
@@ -117,9 +145,11 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) 
             "scaleUpStabilizationSeconds": settings.scale_up_stabilization_seconds,
             "scaleDownStabilizationSeconds": settings.scale_down_stabilization_seconds,
             "scaleToZeroAfterSeconds": settings.scale_to_zero_after_seconds,
+            "backlogDrainSeconds": settings.backlog_drain_seconds,
         },
         "scheduling": {"policy": tuner.AUTO if tuned else tuner.CALM_POLICY,
                        "calmWindowSeconds": settings.calm_window_seconds},
     }
     tuner_spec = {**spec, "autoscaling": {**spec["autoscaling"], "targetQueueDepth": settings.target_queue_depth}}
-    return ControlLoop(name, spec, tuner_spec)
+    planner = (base, rates) if base in planners.NAMES else None
+    return ControlLoop(name, spec, tuner_spec, planner=planner)
