@@ -109,6 +109,9 @@ class Policy:
     backlog_drain_seconds: float = BACKLOG_DRAIN_SECONDS
     target_ttft_seconds: float | None = None  # autoscaling.targets, at LATENCY_QUANTILE
     target_itl_seconds: float | None = None
+    # The capacity count on (the CRD has no switch: the simulator's queue-only baseline, a KEDA
+    # trigger on the queue alone, turns it off).
+    capacity_sizing: bool = True
 
     @classmethod
     def from_spec(cls, autoscaling: Mapping[str, Any]) -> Policy:
@@ -465,7 +468,7 @@ def _queue_term(policy: Policy, sample: samples.PodSample, backlog_counted: bool
 def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping[str, samples.PodSample],
           memory: Memory, held: float, now: float) -> Load:
     rates, capacity = _fleet_rates(used, before), memory.capacity
-    counted = rates is not None and capacity is not None
+    counted = policy.capacity_sizing and rates is not None and capacity is not None
     saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s, counted),
                        _latency_term(policy, s, before.get(pod)))
                    for pod, s in used.items()]

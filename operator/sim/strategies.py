@@ -4,9 +4,10 @@ Every strategy has one shape, `ControlLoop`, which does what the operator's cont
 with one interval's reading (control.py: the autoscaler first, then the tuner, which judges
 whether the engine can still scale from the replicas the interval began with). They differ
 only in the spec they carry:
-- `kvpilot`: autoscaling on, with both of autoscaler.decide's terms (KV-cache usage and queue);
-- `queue-only`: the same decide() with the KV term switched off (its target infinite, which
-  also switches off the arrivals term, scaled by it): a KEDA-style trigger on
+- `kvpilot`: autoscaling on, autoscaler.decide as the operator runs it: the capacity count and
+  the per-replica terms (KV-cache usage and queue);
+- `queue-only`: the same decide() with the KV term switched off (its target infinite) and the
+  capacity count off: a KEDA-style trigger on
   vllm:num_requests_waiting, scaling up by at most max(100 %, 4 pods) per period and down over a
   300 s stabilization window. (The HPA itself computes ceil(total waiting / target), a backlog
   read as a rate; decide()'s queue term drains it over a horizon instead.)
@@ -22,6 +23,7 @@ requests that arrive at zero.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +66,8 @@ class ControlLoop:
     tuner_state: tuner.TunerState = field(default_factory=tuner.TunerState)
     # A planner's name and what it knows of the load (planners.py), for the rate-sized strategies.
     planner: tuple[str, planners.Rates] | None = None
+    # Whether decide() sizes from capacity too (kvpilot) or from its per-replica terms alone.
+    capacity_sizing: bool = True
     # The last decision's ready replicas to remove first (autoscaler.Decision.remove).
     remove: tuple[str, ...] = ()
 
@@ -85,8 +89,10 @@ class ControlLoop:
         if self.planner is not None:
             replicas = self._plan(ready, starting, now)
         elif self.autoscaled:
-            decision = autoscaler.decide(autoscaler.Policy.from_spec(spec["autoscaling"]), replicas, ready, starting,
-                                         reading, self.history, now, self.memory, held=held)
+            scaling = dataclasses.replace(autoscaler.Policy.from_spec(spec["autoscaling"]),
+                                          capacity_sizing=self.capacity_sizing)
+            decision = autoscaler.decide(scaling, replicas, ready, starting, reading, self.history, now, self.memory,
+                                         held=held)
             self.history = decision.history
             self.memory = decision.memory
             self.remove = decision.remove
@@ -152,4 +158,4 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int,
     }
     tuner_spec = {**spec, "autoscaling": {**spec["autoscaling"], "targetQueueDepth": settings.target_queue_depth}}
     planner = (base, rates) if base in planners.NAMES else None
-    return ControlLoop(name, spec, tuner_spec, planner=planner)
+    return ControlLoop(name, spec, tuner_spec, planner=planner, capacity_sizing=base == "kvpilot")
