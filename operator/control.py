@@ -129,7 +129,8 @@ class ControlLoops:
         if isinstance(source, samples.Problem):
             reading, held = samples.Reading(failure=source), source
         else:
-            reading = await source.read(namespace, ready, self._clock())
+            reading = await source.read(namespace, ready, self._clock(),
+                                        latencies=bool(spec["autoscaling"].get("targets")))
             held = await self._held(engine, source)
         interval = Interval(engine, ready, starting, reading, self._clock(), held)
         for controller in self.controllers:

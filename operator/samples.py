@@ -96,11 +96,13 @@ def checked(pod: str, values: Mapping[str, float], observed_at: float,
                      values.get(REQUESTS_FINISHED), found.get(TTFT), found.get(ITL))
 
 
-def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
-    """A pod's /metrics page (Prometheus text format) -> its sample. Series of one metric (one per
-    model name, or finish reason) are summed."""
+def from_page(pod: str, text: str, observed_at: float, *, latencies: bool = False) -> PodSample | Problem:
+    """A pod's /metrics page (Prometheus text format) -> its sample, with the latency histograms
+    where `latencies` asks for them. Series of one metric (one per model name, or finish reason)
+    are summed."""
     try:
-        families = list(text_string_to_metric_families(_wanted_lines(text, _WANTED_FAMILIES)))
+        wanted = _WANTED_FAMILIES + (HISTOGRAMS if latencies else ())
+        families = list(text_string_to_metric_families(_wanted_lines(text, wanted)))
         values = _summed_samples(families, (*METRICS, REQUESTS_FINISHED))
         histograms = _summed_buckets(families)
     except _NOT_TEXT_FORMAT as error:
@@ -179,8 +181,9 @@ def _summed_buckets(families: Iterable[Any]) -> dict[str, dict[float, float]]:
 
 # The families a sample is made of (a counter's family name has no _total). The parser would take
 # some 5 ms of CPU for an engine's whole page, most of it histogram buckets, per pod and interval:
-# a fleet's worth of that on the loop delays the reads that time out meanwhile.
-_WANTED_FAMILIES = (*METRICS, REQUESTS_FINISHED.removesuffix("_total"), *HISTOGRAMS)
+# a fleet's worth of that on the loop delays the reads that time out meanwhile. The latency
+# histograms are parsed only for engines with autoscaling.targets: they triple a page's cost.
+_WANTED_FAMILIES = (*METRICS, REQUESTS_FINISHED.removesuffix("_total"))
 # What a line of the text format starts with: a metric name and its labels or value, a comment, or
 # nothing. An HTML error page starts otherwise.
 _TEXT_FORMAT_LINE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ \t]|#|\s*$")

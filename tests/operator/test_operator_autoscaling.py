@@ -145,6 +145,18 @@ def test_a_scale_down_marks_the_least_loaded_pods_with_a_deletion_cost_before_it
     run(scenario())
 
 
+def test_latency_targets_read_the_pods_histograms(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):
+            await pods(k, fake, ["qwen-a"], kv=0.5, waiting=4)
+            await created(k, spec_with(1, targets={"ttftSeconds": 2, "itlSeconds": 0.1}))
+            # The engine's page has both histograms: read, so no LatencyMissing.
+            await eventually(lambda: metrics_condition(k).get("status") == "True", "a first reading")
+            assert metrics_condition(k)["reason"] == "MetricsRead"
+
+    run(scenario())
+
+
 def test_bad_or_missing_pod_metrics_hold_the_count_and_say_why(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):

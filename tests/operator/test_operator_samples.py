@@ -31,9 +31,11 @@ def gauges(sample: samples.PodSample) -> samples.PodSample:
 
 
 def test_an_engine_page_is_one_sample() -> None:
-    sample = samples.from_page("qwen-0", engine_page(0.25, 3, 7, ttfts=(0.03, 0.3, 0.3, 30.0)), 100.0)
+    page = engine_page(0.25, 3, 7, ttfts=(0.03, 0.3, 0.3, 30.0))
+    assert samples.from_page("qwen-0", page, 100.0) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0, num_finished=0.0)
+    # With latencies (autoscaling.targets): the histograms' cumulative buckets, by bound, up to +Inf.
+    sample = samples.from_page("qwen-0", page, 100.0, latencies=True)
     assert gauges(sample) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0, num_finished=0.0)
-    # The latency histograms' cumulative buckets, by upper bound, up to +Inf.
     ttft = dict(sample.ttft)
     assert (ttft[0.02], ttft[0.04], ttft[0.25], ttft[0.5], ttft[20.0], ttft[40.0], ttft[math.inf]) == (0, 1, 1, 3, 3, 4, 4)
     assert sample.itl[-1] == (math.inf, 0)
@@ -43,7 +45,7 @@ def test_a_histogram_that_is_not_cumulative_is_invalid() -> None:
     page = engine_page(0.25, 3, 7, ttfts=(0.3,)).replace(
         'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="tiny"} 1.0',
         'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="tiny"} 0.0')
-    problem = samples.from_page("qwen-0", page, 100.0)
+    problem = samples.from_page("qwen-0", page, 100.0, latencies=True)
     assert problem.reason == samples.INVALID and "vllm:time_to_first_token_seconds histogram" in problem.message
 
 
