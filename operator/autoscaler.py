@@ -222,7 +222,9 @@ def decide(
     memory = memory or Memory()
     since = now if memory.since is None else memory.since
     if replicas == 0 and policy.min_replicas == 0:
-        return _at_zero(policy, held, history, Memory(since=since, startup_seconds=memory.startup_seconds))
+        # What a replica can do and how long it takes to start outlast the replicas.
+        at_zero = dataclasses.replace(memory, pods={}, since=since, idle_since=None, on_way_since=())
+        return _at_zero(policy, held, history, at_zero, now)
     problem = _problem(policy, ready, starting, reading, now)
     if problem is not None:
         # No reading to go by; the bounds are the spec's own, and hold all the same.
@@ -290,7 +292,7 @@ def stabilized(policy: Policy, replicas: int, recommendation: int, history: tupl
 
 
 def _at_zero(policy: Policy, held: float | samples.Problem | None, history: tuple[tuple[float, int], ...],
-             memory: Memory) -> Decision:
+             memory: Memory, now: float) -> Decision:
     """No replica runs: the routers' held requests are the only load there is."""
     if held is None:
         held = samples.Problem(samples.MISSING, "the engine has no routers to read")
@@ -303,7 +305,7 @@ def _at_zero(policy: Policy, held: float | samples.Problem | None, history: tupl
         return Decision(0, "", "no replica runs; the routers hold no request", conditions, None, history, memory)
     return Decision(policy.floor, SCALED_UP,
                     f"0 -> {policy.floor} replicas: the routers hold {held:g} requests and no replica runs",
-                    conditions, None, history, memory)
+                    conditions, None, history, dataclasses.replace(memory, on_way_since=(now,) * policy.floor))
 
 
 def _idle(used: Mapping[str, samples.PodSample], starting: int, held: float | samples.Problem | None) -> bool:
@@ -381,7 +383,7 @@ def _starts(memory: Memory, ready: int, on_way: int, now: float) -> tuple[tuple[
     while the ready count grew became ready (oldest first), and their time on the way is a start."""
     since, startup = memory.on_way_since, memory.startup_seconds
     left = max(0, len(since) - on_way)
-    became_ready = min(left, max(0, ready - len(memory.pods))) if memory.pods else 0
+    became_ready = min(left, max(0, ready - len(memory.pods)))
     for began in since[:became_ready]:
         seen = now - began
         startup = seen if startup is None else STARTUP_WEIGHT * seen + (1 - STARTUP_WEIGHT) * startup

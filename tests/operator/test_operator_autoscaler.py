@@ -157,6 +157,15 @@ def test_a_replicas_start_up_time_is_learnt_from_the_pods_seen_starting() -> Non
     ready = autoscaler.decide(POLICY, 2, ["p0", "p1"], 0, reading(90, (0.5, 0), (0.5, 0)), (), 90.0, memory)
     assert ready.memory.startup_seconds == 90 and ready.memory.on_way_since == ()
     assert autoscaler.Memory().startup == autoscaler.STARTUP_SECONDS
+    # A wake from zero is a start too; at zero, what was learnt (start-up, capacity) is kept.
+    to_zero = dataclasses.replace(POLICY, min_replicas=0)
+    asleep = dataclasses.replace(ready.memory, backlog_finished=420, backlog_seconds=15)
+    woken = autoscaler.decide(to_zero, 0, [], 0, samples.Reading(), (), 600.0, asleep, held=3.0)
+    assert woken.replicas == 1 and woken.memory.on_way_since == (600.0,)
+    assert (woken.memory.startup_seconds, woken.memory.capacity) == (90, 28)
+    starting = autoscaler.decide(to_zero, 1, [], 1, samples.Reading(), (), 615.0, woken.memory, held=3.0)
+    up = autoscaler.decide(to_zero, 1, ["p0"], 0, reading(660.0, (0.1, 0)), (), 660.0, starting.memory, held=0.0)
+    assert up.memory.startup_seconds == 90 * 0.5 + 60 * 0.5
 
 
 def test_a_replicas_capacity_is_measured_over_every_backlog_not_the_last_interval() -> None:
