@@ -1,31 +1,37 @@
 """The autoscaler: a window of per-pod samples -> desired replicas. Pure: no I/O, the clock is a
 parameter, and what it remembers between intervals (its recent recommendations, the last
-reading and a replica's capacity) goes in and comes out as a value.
+reading, a replica's capacity and how long a replica takes to start) goes in and comes out as a
+value.
 
-- Per ready replica, saturation = the largest of three terms, in replicas at target:
-  KV: kv / targetKVCacheUsage.
-  Queue: waiting / targetQueueDepth up to the target (1). Beyond it the excess is a backlog (a
-  stock, not a rate) that drains where it waits: at the replica's completion rate (its
-  vllm:request_success_total since the previous reading) less the arrivals still routed to it.
-  To drain it within BACKLOG_DRAIN_SECONDS those must shrink to completed - excess / horizon:
-  the term is arrived / that. Where the rates are unknown, the excess is read in batches of what
-  the replica runs (num_requests_running, at least targetQueueDepth). Read as a rate, as the HPA
-  reads an average value, a backlog would ask for one replica per targetQueueDepth requests.
-  Arrivals: arrived / (capacity x targetKVCacheUsage), with capacity what a replica completes
-  per second while it has a backlog, measured over every backlog seen (Memory.capacity) and kept
-  in the decision's Memory: it holds the replicas the traffic needs when the queues are empty
-  and KV usage lags.
-- The recommendation is ceil(ready x mean saturation), unless the mean lies within 10 % of 1.
+What the load needs, in replicas, is the larger of two counts:
+- Capacity: the fleet's arrivals over what a replica completes per second (its capacity,
+  measured while replicas had a backlog: Memory.capacity), plus the backlog drained within
+  backlogDrainSeconds. The backlog counted is the one the fleet will hold when a replica asked
+  for now is ready: what waits beyond targetQueueDepth per replica and what the routers hold,
+  plus what arrives meanwhile beyond what the replicas ready and starting complete (each
+  starting one from its expected ready time, learnt from the pods seen starting: Memory.startup).
+  New replicas are asked only for what they can drain once ready, so a backlog that the
+  replicas on their way will absorb asks for none; there is no fixed x2-or-+4 step.
+- Pressure: ready x the mean over ready replicas of the largest of KV / targetKVCacheUsage, the
+  queue (waiting / targetQueueDepth, at most 1 where the capacity count sees the backlog; before a
+  capacity is known the excess is read in batches of what the replica runs), and, with
+  autoscaling.targets, each latency's p90 over the interval / its target (LATENCY_QUANTILE).
+The count holds within 10 % of the replicas (TOLERANCE).
+
 - Scaling up takes the lowest recommendation of the last scaleUpStabilizationSeconds (0: the
-  current one), and at most doubles the count (or adds 4, whichever is more) per decision;
-  replicas still starting count as capacity already on its way.
-- ScalingLimited is True while the load asks for more than maxReplicas.
+  current one).
 - Scaling down takes the highest recommendation of the last scaleDownStabilizationSeconds, and
   waits for that window to have passed since the autoscaler's memory began (as the HPA does).
+  It never removes a pod that is still starting: a ReplicaSet deletes unready pods first, so no
+  count below the pods ready and starting is written while one starts. The ready pods to go are
+  the least loaded (Decision.remove), which the operator marks with a lower
+  controller.kubernetes.io/pod-deletion-cost before it writes the count.
+- ScalingLimited is True while the load asks for more than maxReplicas.
 - The result lies within [minReplicas, maxReplicas], even where spec.replicas does not (the CRD
   accepts any count, as the HPA's target does).
 - Missing, stale or invalid metrics hold the count (within the bounds) and say why in
-  MetricsAvailable.
+  MetricsAvailable. A latency histogram missing where a target asks for it leaves KV and queue in
+  charge, and MetricsAvailable says so in its reason (LatencyMissing).
 
 Scale to zero (minReplicas 0, which the CRD allows only with routing): the load never asks for
 fewer than one replica; the engine goes to 0 only once it has been idle for
@@ -53,17 +59,27 @@ from typing import Any
 from kvpilot.operator import samples
 
 TOLERANCE = 0.1
-# How soon a backlog beyond targetQueueDepth should be gone: within a client's patience.
+# autoscaling.backlogDrainSeconds's default: within a client's patience (the simulator's and
+# many clients' request timeout is 60 s), and long enough that a flash crowd's backlog asks for
+# replicas in proportion to it rather than to its first interval.
 BACKLOG_DRAIN_SECONDS = 60.0
-# A backlog too large to drain within that even with no arrivals asks to spread them this thin.
-MAX_SPREAD = 2.0
+# How long a replica takes to be ready, until the autoscaler has seen one start (image pull and
+# weight load of a GPU pod).
+STARTUP_SECONDS = 120.0
+# The weight of the latest start in Memory.startup: one slow node does not set it.
+STARTUP_WEIGHT = 0.5
 # The replica-seconds of backlog a replica's capacity is measured over (Memory.capacity): an
 # hour of one replica's, or a few minutes of a fleet's; older ones weigh less.
 CAPACITY_WINDOW_SECONDS = 3600.0
+# The latencies' percentile read against autoscaling.targets: p90, not p99. A replica serves tens
+# of requests per interval; their p99 is their maximum, one slow request, while their p90 moves
+# with the queueing that more replicas cure.
+LATENCY_QUANTILE = 0.9
+# A replica's latency counts once this many requests (tokens, for ITL) were observed in the
+# interval; fewer say nothing about a percentile.
+LATENCY_MIN_OBSERVATIONS = 10
 # A sample older than this many intervals is stale.
 STALE_INTERVALS = 3
-SCALE_UP_FACTOR = 2
-SCALE_UP_STEP = 4
 # Pods named in a condition message before the rest are counted.
 _NAMED_PODS = 5
 
@@ -71,6 +87,10 @@ METRICS_AVAILABLE = "MetricsAvailable"
 SCALING_LIMITED = "ScalingLimited"
 SCALED_UP = "ScaledUp"
 SCALED_DOWN = "ScaledDown"
+# MetricsAvailable's reason (status True) when a latency target has no histogram to read.
+LATENCY_MISSING = "LatencyMissing"
+# The annotation by which a ReplicaSet picks, among ready pods, which to delete first (lowest).
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 # The order in which a reading's problems are reported, the worst first.
 _PROBLEM_ORDER = (samples.UNREACHABLE, samples.INVALID, samples.MISSING, samples.STALE)
@@ -86,10 +106,17 @@ class Policy:
     scale_up_stabilization_seconds: float
     scale_down_stabilization_seconds: float
     scale_to_zero_after_seconds: float = 300.0
+    backlog_drain_seconds: float = BACKLOG_DRAIN_SECONDS
+    target_ttft_seconds: float | None = None  # autoscaling.targets, at LATENCY_QUANTILE
+    target_itl_seconds: float | None = None
+    # The capacity count on (the CRD has no switch: the simulator's queue-only baseline, a KEDA
+    # trigger on the queue alone, turns it off).
+    capacity_sizing: bool = True
 
     @classmethod
     def from_spec(cls, autoscaling: Mapping[str, Any]) -> Policy:
         """From spec.autoscaling as the API server serves it (the CRD's defaults applied)."""
+        targets = autoscaling.get("targets") or {}
         return cls(
             min_replicas=autoscaling["minReplicas"],
             max_replicas=autoscaling["maxReplicas"],
@@ -99,6 +126,9 @@ class Policy:
             scale_up_stabilization_seconds=autoscaling["scaleUpStabilizationSeconds"],
             scale_down_stabilization_seconds=autoscaling["scaleDownStabilizationSeconds"],
             scale_to_zero_after_seconds=autoscaling["scaleToZeroAfterSeconds"],
+            backlog_drain_seconds=autoscaling["backlogDrainSeconds"],
+            target_ttft_seconds=targets.get("ttftSeconds"),
+            target_itl_seconds=targets.get("itlSeconds"),
         )
 
     @property
@@ -123,6 +153,11 @@ class Load:
     queue_depth: float  # waiting requests per replica
     saturation: float
     observed_at: float  # the oldest sample's time
+    # The fleet's arrivals per second and its backlog when a replica asked for now is ready
+    # (None: unknown, no capacity or no rates yet), and the replicas these ask for.
+    arrival_rate: float | None = None
+    backlog: float | None = None
+    capacity_replicas: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,20 +170,26 @@ class Decision:
     # (time, recommendation) pairs inside the stabilization windows: the next call's `history`.
     history: tuple[tuple[float, int], ...]
     memory: Memory = field(default_factory=lambda: Memory())  # the next call's `memory`
+    # On a scale-down, the ready pods to go first, the least loaded first.
+    remove: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Memory:
     """What one reading leaves for the next: the pods' samples, for their rates since; the
     requests replicas finished while they had a backlog and the replica-seconds that took (see
-    `capacity`); when the memory began (None: it begins with this reading); and since when the
-    engine has been idle, without a break (None: it is not)."""
+    `capacity`); when the memory began (None: it begins with this reading); since when the
+    engine has been idle, without a break (None: it is not); when each replica now on its way
+    was first seen on its way, oldest first; and how long a replica takes to be ready (None:
+    none was seen to start)."""
 
     pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
     backlog_finished: float = 0.0
     backlog_seconds: float = 0.0
     since: float | None = None
     idle_since: float | None = None
+    on_way_since: tuple[float, ...] = ()
+    startup_seconds: float | None = None
 
     @property
     def capacity(self) -> float | None:
@@ -157,6 +198,10 @@ class Memory:
         a few, or none, in 15 s), so it is the ratio of the totals over CAPACITY_WINDOW_SECONDS
         of backlog."""
         return self.backlog_finished / self.backlog_seconds if self.backlog_finished > 0 else None
+
+    @property
+    def startup(self) -> float:
+        return STARTUP_SECONDS if self.startup_seconds is None else self.startup_seconds
 
 
 def decide(
@@ -177,7 +222,9 @@ def decide(
     memory = memory or Memory()
     since = now if memory.since is None else memory.since
     if replicas == 0 and policy.min_replicas == 0:
-        return _at_zero(policy, held, history, Memory(since=since))
+        # What a replica can do and how long it takes to start outlast the replicas.
+        at_zero = dataclasses.replace(memory, pods={}, since=since, idle_since=None, on_way_since=())
+        return _at_zero(policy, held, history, at_zero, now)
     problem = _problem(policy, ready, starting, reading, now)
     if problem is not None:
         # No reading to go by; the bounds are the spec's own, and hold all the same.
@@ -189,51 +236,63 @@ def decide(
                         f"{replicas} -> {bounded} replicas: within minReplicas {policy.min_replicas}"
                         f" and maxReplicas {policy.max_replicas}", (problem,), None, history, memory)
     used = {pod: reading.samples[pod] for pod in ready}
-    rates = {pod: _rates(sample, memory.pods.get(pod)) for pod, sample in used.items()}
     idle = policy.min_replicas == 0 and _idle(used, starting, held)
     idle_since = (now if memory.idle_since is None else memory.idle_since) if idle else None
-    memory = Memory(used, *_backlog_work(policy, used, memory), since=since, idle_since=idle_since)
-    load = _load(policy, used, rates, memory.capacity)
+    on_way = max(starting, replicas - len(ready))
+    on_way_since, startup_seconds = _starts(memory, len(ready), on_way, now)
+    before = memory.pods
+    memory = Memory(used, *_backlog_work(policy, used, memory), since=since, idle_since=idle_since,
+                    on_way_since=on_way_since, startup_seconds=startup_seconds)
+    load = _load(policy, used, before, memory, held if isinstance(held, float | int) else 0.0, now)
+    needed = max(len(ready) * load.saturation, load.capacity_replicas or 0.0)
 
-    # In replicas at target: what the ready replicas carry now. Starting replicas are in
-    # `replicas` already, so the capacity on its way is never asked for twice.
-    wanted = replicas if abs(load.saturation - 1) <= TOLERANCE else math.ceil(len(ready) * load.saturation - 1e-9)
+    wanted = replicas if abs(needed - replicas) <= TOLERANCE * replicas else math.ceil(needed - 1e-9)
     recommendation = _clamp(policy, wanted)
 
+    # A ReplicaSet removes unready pods first: while one starts, only pods not yet created may go.
+    lowest = min(replicas, len(ready) + starting) if starting else 0
+    target, history = stabilized(policy, replicas, recommendation, history, now, since, lowest=lowest)
+
+    summary = _summary(policy, load, len(ready), starting)
+    conditions = (_available(policy, used), _limit(policy, wanted))
+    if idle_since is not None and now - idle_since >= policy.scale_to_zero_after_seconds:
+        target = 0
+        summary = (f"idle for {now - idle_since:.0f}s (scaleToZeroAfterSeconds"
+                   f" {policy.scale_to_zero_after_seconds:g}): no request running, waiting or held")
+    if target > replicas:  # on their way from now
+        memory = dataclasses.replace(memory, on_way_since=(*memory.on_way_since, *(now,) * (target - replicas)))
+    if target == replicas:
+        return Decision(replicas, "", summary, conditions, load, history, memory)
+    reason = SCALED_UP if target > replicas else SCALED_DOWN
+    remove = _least_loaded(used, len(ready) + starting - target) if reason == SCALED_DOWN else ()
+    return Decision(target, reason, f"{replicas} -> {target} replicas: {summary}", conditions, load, history, memory,
+                    remove)
+
+
+def stabilized(policy: Policy, replicas: int, recommendation: int, history: tuple[tuple[float, int], ...],
+               now: float, since: float, *, lowest: int = 0) -> tuple[int, tuple[tuple[float, int], ...]]:
+    """(the count to write, the next call's history) for a recommendation, under the
+    stabilization windows and the bounds; a scale-down goes no lower than `lowest`. The
+    simulator's planners share it, so that every strategy scales under the same rules."""
+    recommendation = _clamp(policy, recommendation)
     window = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
     history = (*((t, r) for t, r in history if t >= now - window), (now, recommendation))
     up = min(r for t, r in history if t >= now - policy.scale_up_stabilization_seconds)
     down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
     if up > replicas:
-        target = min(up, max(replicas * SCALE_UP_FACTOR, replicas + SCALE_UP_STEP))
+        target = up
     elif down < replicas and now - since >= policy.scale_down_stabilization_seconds:
         # Only once the recommendations on record cover the whole window: those from before the
         # memory began (a restarted operator, autoscaling just turned on) are unknown, and the
         # count that runs may rest on them.
-        target = down
+        target = max(down, lowest)
     else:
         target = replicas
-    target = _clamp(policy, target)
-
-    summary = (f"KV-cache usage {load.kv_cache_usage:.2f} (target {policy.target_kv_cache_usage:g}),"
-               f" {load.queue_depth:.1f} waiting per replica (target {policy.target_queue_depth:g}),"
-               f" saturation {load.saturation:.2f} over {len(ready)} ready and {starting} starting replicas")
-    conditions = (
-        Condition(METRICS_AVAILABLE, True, "MetricsRead", f"read {len(ready)} ready replicas"),
-        _limit(policy, wanted),
-    )
-    if idle_since is not None and now - idle_since >= policy.scale_to_zero_after_seconds:
-        target = 0
-        summary = (f"idle for {now - idle_since:.0f}s (scaleToZeroAfterSeconds"
-                   f" {policy.scale_to_zero_after_seconds:g}): no request running, waiting or held")
-    if target == replicas:
-        return Decision(replicas, "", summary, conditions, load, history, memory)
-    reason = SCALED_UP if target > replicas else SCALED_DOWN
-    return Decision(target, reason, f"{replicas} -> {target} replicas: {summary}", conditions, load, history, memory)
+    return _clamp(policy, target), history
 
 
 def _at_zero(policy: Policy, held: float | samples.Problem | None, history: tuple[tuple[float, int], ...],
-             memory: Memory) -> Decision:
+             memory: Memory, now: float) -> Decision:
     """No replica runs: the routers' held requests are the only load there is."""
     if held is None:
         held = samples.Problem(samples.MISSING, "the engine has no routers to read")
@@ -246,7 +305,7 @@ def _at_zero(policy: Policy, held: float | samples.Problem | None, history: tupl
         return Decision(0, "", "no replica runs; the routers hold no request", conditions, None, history, memory)
     return Decision(policy.floor, SCALED_UP,
                     f"0 -> {policy.floor} replicas: the routers hold {held:g} requests and no replica runs",
-                    conditions, None, history, memory)
+                    conditions, None, history, dataclasses.replace(memory, on_way_since=(now,) * policy.floor))
 
 
 def _idle(used: Mapping[str, samples.PodSample], starting: int, held: float | samples.Problem | None) -> bool:
@@ -319,39 +378,146 @@ def _rates(sample: samples.PodSample, before: samples.PodSample | None) -> tuple
     return completed, max(0.0, completed + (sample.num_waiting - before.num_waiting) / elapsed)
 
 
-def _queue_term(policy: Policy, sample: samples.PodSample, rates: tuple[float, float] | None) -> float:
+def _starts(memory: Memory, ready: int, on_way: int, now: float) -> tuple[tuple[float, ...], float | None]:
+    """Memory's on_way_since and startup_seconds after this reading: replicas that left the way
+    while the ready count grew became ready (oldest first), and their time on the way is a start."""
+    since, startup = memory.on_way_since, memory.startup_seconds
+    left = max(0, len(since) - on_way)
+    became_ready = min(left, max(0, ready - len(memory.pods)))
+    for began in since[:became_ready]:
+        seen = now - began
+        startup = seen if startup is None else STARTUP_WEIGHT * seen + (1 - STARTUP_WEIGHT) * startup
+    kept = since[left:]
+    return (*kept, *(now,) * (on_way - len(kept))), startup
+
+
+def _fleet_rates(used: Mapping[str, samples.PodSample],
+                 before: Mapping[str, samples.PodSample]) -> tuple[float, float] | None:
+    """(completed, arrived) requests per second at the ready replicas since the last reading;
+    None where no pod has rates (a pod without them is new, or exports no counter)."""
+    rates = [rate for pod, sample in used.items() if (rate := _rates(sample, before.get(pod))) is not None]
+    if not rates:
+        return None
+    return sum(completed for completed, _ in rates), sum(arrived for _, arrived in rates)
+
+
+def _capacity_replicas(policy: Policy, memory: Memory, ready: int, rates: tuple[float, float], backlog: float,
+                       capacity: float, now: float) -> tuple[float, float]:
+    """(replicas, backlog then): the replicas that take the arrivals and drain, within
+    backlogDrainSeconds (D), the backlog the fleet will hold when a replica asked for now is
+    ready, S seconds from now. Only requests that will have waited less than D by then count:
+    older ones are served late whatever is added (or given up by their clients), so a replica
+    that cannot be ready in time for them is not asked for them. Over the last D seconds before
+    S, the replicas ready complete what they complete now or `capacity` each, whichever is more
+    (replicas that keep up show a capacity the estimate may not have seen yet), and those on
+    their way `capacity` each from their expected ready time."""
+    completed, arrival = rates
+    startup, drain = memory.startup, policy.backlog_drain_seconds
+    window = min(drain, startup)
+    opens = startup - window
+    # Each replica on its way is ready `startup` after it was asked for: its time ready in the window.
+    arriving = sum(max(0.0, startup - max(opens, startup - (now - began))) for began in memory.on_way_since)
+    taken = max(completed, capacity * ready) * window + capacity * arriving
+    later = max(0.0, (backlog if opens == 0 else 0.0) + arrival * window - taken)
+    return (arrival + later / drain) / capacity, later
+
+
+def _latency_term(policy: Policy, sample: samples.PodSample, before: samples.PodSample | None) -> float:
+    """The pod's latencies over the interval in their targets (0 without targets, or too few
+    observations to say)."""
+    term = 0.0
+    for target, now_buckets, then_buckets in ((policy.target_ttft_seconds, sample.ttft, before and before.ttft),
+                                              (policy.target_itl_seconds, sample.itl, before and before.itl)):
+        if target is None or now_buckets is None or then_buckets is None:
+            continue
+        latency = quantile(LATENCY_QUANTILE, now_buckets, then_buckets)
+        if latency is not None:
+            term = max(term, latency / target)
+    return term
+
+
+def quantile(q: float, buckets: samples.Buckets, earlier: samples.Buckets) -> float | None:
+    """The q-quantile of what was observed between two readings of a histogram's cumulative
+    buckets, interpolated within its bucket as PromQL's histogram_quantile does; None with fewer
+    than LATENCY_MIN_OBSERVATIONS, or buckets that changed or went back (a restarted engine)."""
+    if [bound for bound, _ in buckets] != [bound for bound, _ in earlier]:
+        return None
+    counts = [count - then for (_, count), (_, then) in zip(buckets, earlier)]
+    total = counts[-1]
+    if total < LATENCY_MIN_OBSERVATIONS or any(count < 0 for count in counts):
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for (bound, _), count in zip(buckets, counts):
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound  # beyond the largest finite bound: that bound, as PromQL says
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(count - lower_count, 1e-12)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _queue_term(policy: Policy, sample: samples.PodSample, backlog_counted: bool) -> float:
+    """Waiting over targetQueueDepth, up to the target; beyond it, where the capacity count does
+    not see the backlog yet, the excess in batches of what the replica runs (at least the target)."""
     target = policy.target_queue_depth
     excess = sample.num_waiting - target
     if excess <= 0:
         return sample.num_waiting / target
-    if rates is None:
-        return 1 + excess / max(sample.num_running, target)
-    completed, arrived = rates
-    # A Service does not move queued requests: the backlog drains where it is, at the completion
-    # rate less the arrivals still routed here. Those must shrink to completed - excess / horizon.
-    allowed = max(completed - excess / BACKLOG_DRAIN_SECONDS, completed / MAX_SPREAD)
-    return max(1.0, arrived / allowed)
+    return 1.0 if backlog_counted else 1 + excess / max(sample.num_running, target)
 
 
-def _arrival_term(policy: Policy, rates: tuple[float, float] | None, capacity: float | None) -> float:
-    """The pod's arrivals in replicas' capacities, each run at targetKVCacheUsage of what it can do."""
-    if rates is None or capacity is None:
-        return 0.0
-    return rates[1] / (capacity * policy.target_kv_cache_usage)
-
-
-def _load(policy: Policy, used: Mapping[str, samples.PodSample], rates: Mapping[str, tuple[float, float] | None],
-          capacity: float | None) -> Load:
-    saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s, rates[pod]),
-                       _arrival_term(policy, rates[pod], capacity))
+def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping[str, samples.PodSample],
+          memory: Memory, held: float, now: float) -> Load:
+    rates, capacity = _fleet_rates(used, before), memory.capacity
+    counted = policy.capacity_sizing and rates is not None and capacity is not None
+    saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s, counted),
+                       _latency_term(policy, s, before.get(pod)))
                    for pod, s in used.items()]
     values = used.values()
+    arrival = replicas = backlog = None
+    if counted:
+        arrival = rates[1]
+        waiting = sum(max(0.0, s.num_waiting - policy.target_queue_depth) for s in values) + held
+        replicas, backlog = _capacity_replicas(policy, memory, len(used), rates, waiting, capacity, now)
     return Load(
         kv_cache_usage=sum(s.kv_cache_usage for s in values) / len(used),
         queue_depth=sum(s.num_waiting for s in values) / len(used),
         saturation=sum(saturations) / len(used),
         observed_at=min(s.observed_at for s in values),
+        arrival_rate=arrival,
+        backlog=backlog,
+        capacity_replicas=replicas,
     )
+
+
+def _least_loaded(used: Mapping[str, samples.PodSample], count: int) -> tuple[str, ...]:
+    """The `count` ready pods with the fewest requests (running and waiting), then the least KV."""
+    order = sorted(used.values(), key=lambda s: (s.num_running + s.num_waiting, s.kv_cache_usage, s.pod))
+    return tuple(sample.pod for sample in order[:max(0, count)])
+
+
+def _summary(policy: Policy, load: Load, ready: int, starting: int) -> str:
+    text = (f"KV-cache usage {load.kv_cache_usage:.2f} (target {policy.target_kv_cache_usage:g}),"
+            f" {load.queue_depth:.1f} waiting per replica (target {policy.target_queue_depth:g}),"
+            f" saturation {load.saturation:.2f} over {ready} ready and {starting} starting replicas")
+    if load.capacity_replicas is not None:
+        text += (f"; {load.arrival_rate:.3g} requests/s arriving and a backlog of {load.backlog:.0f} when a new"
+                 f" replica is ready ask for {load.capacity_replicas:.1f} replicas")
+    return text
+
+
+def _available(policy: Policy, used: Mapping[str, samples.PodSample]) -> Condition:
+    """MetricsAvailable=True; its reason says when a latency target has no histogram to read."""
+    missing = [f"pod {pod} reports no {name}" for pod, sample in used.items()
+               for name, target, buckets in ((samples.TTFT, policy.target_ttft_seconds, sample.ttft),
+                                             (samples.ITL, policy.target_itl_seconds, sample.itl))
+               if target is not None and buckets is None]
+    if missing:
+        more = f"; and {len(missing) - _NAMED_PODS} more" if len(missing) > _NAMED_PODS else ""
+        return Condition(METRICS_AVAILABLE, True, LATENCY_MISSING,
+                         "; ".join(missing[:_NAMED_PODS]) + more + ": KV-cache usage and queue depth decide alone")
+    return Condition(METRICS_AVAILABLE, True, "MetricsRead", f"read {len(used)} ready replicas")
 
 
 def _limit(policy: Policy, wanted: int) -> Condition:

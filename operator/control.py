@@ -33,6 +33,8 @@ from kvpilot.operator import (autoscaler, control_memory, kube, metrics, naming,
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
+# The pod-deletion-cost of the pods a scale-down removes; others carry none, which counts as 0.
+REMOVE_FIRST = "-1000"
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ class ControlLoops:
         if isinstance(source, samples.Problem):
             reading, held = samples.Reading(failure=source), source
         else:
-            reading = await source.read(namespace, ready, self._clock())
+            reading = await source.read(namespace, ready, self._clock(),
+                                        latencies=bool(spec["autoscaling"].get("targets")))
             held = await self._held(engine, source)
         interval = Interval(engine, ready, starting, reading, self._clock(), held)
         for controller in self.controllers:
@@ -264,6 +267,8 @@ class Autoscaling:
             if status.condition(engine, available.type).get("reason") != available.reason:
                 kopf.warn(about, reason=available.reason, message=available.message)
         if decision.reason:
+            # Before the count: the ReplicaSet picks the pods to delete when it sees the count.
+            await self._mark_for_removal(interval.ready, decision.remove)
             await self._reconciler.client.scale(engine, decision.replicas)
             kopf.info(about, reason=decision.reason, message=decision.message)
         now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)
@@ -276,3 +281,14 @@ class Autoscaling:
             return new
 
         await self._reconciler.update_status(*key, recorded)
+
+    async def _mark_for_removal(self, ready: Sequence[Mapping[str, Any]], remove: Sequence[str]) -> None:
+        """The pods to remove get a pod-deletion-cost below the others' (0, unannotated), so that the
+        ReplicaSet deletes them first; a mark left by an earlier scale-down that did not take that
+        pod (another writer changed the count) is taken off, so that it does not go next in their
+        stead. Only pods whose mark changes are written."""
+        for pod in ready:
+            marked = (pod["metadata"].get("annotations") or {}).get(autoscaler.POD_DELETION_COST)
+            wanted = REMOVE_FIRST if metrics.pod_name(pod) in remove else None
+            if marked != wanted:
+                await self._reconciler.client.annotate(pod, {autoscaler.POD_DELETION_COST: wanted})

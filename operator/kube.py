@@ -135,6 +135,15 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
+    async def annotate(self, obj: Mapping[str, Any], annotations: Mapping[str, str | None]) -> dict[str, Any]:
+        """Set annotations on an object (None removes one), leaving the rest of it alone."""
+        return await self._request(
+            "PATCH",
+            path_of(obj),
+            body={"metadata": {"annotations": dict(annotations)}},
+            content_type="application/merge-patch+json",
+        )
+
     async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
         return await self._request(
             "PATCH",

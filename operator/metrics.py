@@ -31,8 +31,10 @@ _MAX_ANSWER_BYTES = 4 * 1024 * 1024
 
 
 class MetricsSource(Protocol):
-    async def read(self, namespace: str, pods: Sequence[Pod], now: float) -> samples.Reading:
-        """A sample or a problem for each of `pods` (ready pods, as the API serves them)."""
+    async def read(self, namespace: str, pods: Sequence[Pod], now: float, *, latencies: bool = False
+                   ) -> samples.Reading:
+        """A sample or a problem for each of `pods` (ready pods, as the API serves them); with
+        `latencies`, their TTFT and ITL histograms too (they triple what a page costs to parse)."""
         ...
 
     async def read_held(self, namespace: str, routers: Sequence[Pod]) -> float | samples.Problem:
@@ -75,8 +77,9 @@ class DirectScrape:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._url_of = url_of
 
-    async def read(self, namespace: str, pods: Sequence[Pod], now: float) -> samples.Reading:
-        results = await asyncio.gather(*(self._read_pod(pod, now) for pod in pods))
+    async def read(self, namespace: str, pods: Sequence[Pod], now: float, *, latencies: bool = False
+                   ) -> samples.Reading:
+        results = await asyncio.gather(*(self._read_pod(pod, now, latencies) for pod in pods))
         return samples.Reading(
             samples={r.pod: r for r in results if isinstance(r, samples.PodSample)},
             problems={pod_name(pod): r for pod, r in zip(pods, results) if isinstance(r, samples.Problem)},
@@ -89,9 +92,11 @@ class DirectScrape:
             for pod, page in zip(routers, pages)
         })
 
-    async def _read_pod(self, pod: Pod, now: float) -> samples.PodSample | samples.Problem:
+    async def _read_pod(self, pod: Pod, now: float, latencies: bool) -> samples.PodSample | samples.Problem:
         page = await self._page(pod)
-        return page if isinstance(page, samples.Problem) else samples.from_page(pod_name(pod), page, now)
+        if isinstance(page, samples.Problem):
+            return page
+        return samples.from_page(pod_name(pod), page, now, latencies=latencies)
 
     async def _page(self, pod: Pod) -> str | samples.Problem:
         name = pod_name(pod)
@@ -123,18 +128,22 @@ class Prometheus:
         self._headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
         self._window = window
 
-    async def read(self, namespace: str, pods: Sequence[Pod], now: float) -> samples.Reading:
+    async def read(self, namespace: str, pods: Sequence[Pod], now: float, *, latencies: bool = False
+                   ) -> samples.Reading:
         names = [pod_name(pod) for pod in pods]
         if not names:
             return samples.Reading()
         wanted = samples.queries(namespace, names, self._window)
-        answers = await asyncio.gather(*(self._query(query) for query in wanted.values()), return_exceptions=True)
+        histograms = samples.bucket_queries(namespace, names) if latencies else {}
+        answers = await asyncio.gather(*(self._query(query) for query in wanted.values()),
+                                       *(self._query(query, samples.bucket_vector) for query in histograms.values()),
+                                       return_exceptions=True)
         for answer in answers:
             if isinstance(answer, _Failed):
                 return samples.Reading(failure=answer.problem)
             if isinstance(answer, BaseException):
                 raise answer
-        return samples.from_vectors(names, dict(zip(wanted, answers)))
+        return samples.from_vectors(names, dict(zip(wanted, answers)), dict(zip(histograms, answers[len(wanted):])))
 
     async def read_held(self, namespace: str, routers: Sequence[Pod]) -> float | samples.Problem:
         names = [pod_name(pod) for pod in routers]
@@ -146,7 +155,7 @@ class Prometheus:
             return failed.problem
         return samples.held_from_vector(names, answer)
 
-    async def _query(self, query: str) -> dict[str, float]:
+    async def _query(self, query: str, parse: Callable[[Any], Any] = samples.vector) -> Any:
         # POST: with many pods, the query outgrows what a URL may carry.
         try:
             async with self._session.post(
@@ -159,7 +168,7 @@ class Prometheus:
         if status >= 400:
             raise _Failed(samples.UNREACHABLE, f"{self._query_url} answered {status}: {body[:300]!r}")
         try:
-            return samples.vector(json.loads(body))
+            return parse(json.loads(body))
         except ValueError as error:
             raise _Failed(samples.INVALID, f"{self._query_url} answered {status}: {error}") from error
 

@@ -23,6 +23,11 @@ METRICS = (KV_CACHE_USAGE, NUM_WAITING, NUM_RUNNING)
 # A counter (summed over finished_reason), read where a pod exports it: two readings of it give
 # the pod's completion rate, which the autoscaler drains a backlog by.
 REQUESTS_FINISHED = "vllm:request_success_total"
+# Histograms (cumulative buckets), read where a pod exports them: two readings give the latencies
+# of the requests in between, which autoscaling.targets compares with its targets.
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+HISTOGRAMS = (TTFT, ITL)
 # A router's gauge (with routing): the requests it holds because no replica is ready to take them.
 REQUESTS_HELD = "kvpilot:router_requests_held"
 
@@ -41,6 +46,13 @@ class PodSample:
     num_running: float
     observed_at: float  # seconds since the epoch: when the pod's gauges were last read
     num_finished: float | None = None  # REQUESTS_FINISHED; None where the pod does not export it
+    # TTFT and ITL's cumulative buckets, ((upper bound, count), ...) by bound, the last one +Inf;
+    # None where the pod does not export the histogram.
+    ttft: Buckets | None = None
+    itl: Buckets | None = None
+
+
+Buckets = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -59,9 +71,11 @@ class Reading:
     failure: Problem | None = None
 
 
-def checked(pod: str, values: Mapping[str, float], observed_at: float) -> PodSample | Problem:
-    """A sample from the three gauges' values (and the finished-requests counter, if there), or
-    the problem with them."""
+def checked(pod: str, values: Mapping[str, float], observed_at: float,
+            histograms: Mapping[str, Mapping[float, float]] | None = None) -> PodSample | Problem:
+    """A sample from the three gauges' values (and the finished-requests counter and the latency
+    histograms' buckets, {name: {upper bound: cumulative count}}, where there), or the problem
+    with them."""
     missing = [name for name in METRICS if name not in values]
     if missing:
         return Problem(MISSING, f"pod {pod} reports no {', '.join(missing)}")
@@ -69,18 +83,31 @@ def checked(pod: str, values: Mapping[str, float], observed_at: float) -> PodSam
         value = values.get(name, 0.0)
         if not math.isfinite(value) or value < 0 or (name == KV_CACHE_USAGE and value > 1):
             return Problem(INVALID, f"pod {pod} reports {name} = {value}")
+    found: dict[str, Buckets] = {}
+    for name, buckets in (histograms or {}).items():
+        ordered = tuple(sorted(buckets.items()))
+        counts = [count for _, count in ordered]
+        if not ordered or ordered[-1][0] != math.inf or not all(math.isfinite(c) and c >= 0 for c in counts) \
+                or counts != sorted(counts):
+            return Problem(INVALID, f"pod {pod} reports a {name} histogram whose buckets are not cumulative"
+                                    " counts up to +Inf")
+        found[name] = ordered
     return PodSample(pod, values[KV_CACHE_USAGE], values[NUM_WAITING], values[NUM_RUNNING], observed_at,
-                     values.get(REQUESTS_FINISHED))
+                     values.get(REQUESTS_FINISHED), found.get(TTFT), found.get(ITL))
 
 
-def from_page(pod: str, text: str, observed_at: float) -> PodSample | Problem:
-    """A pod's /metrics page (Prometheus text format) -> its sample. Series of one metric (one per
-    model name, or finish reason) are summed."""
+def from_page(pod: str, text: str, observed_at: float, *, latencies: bool = False) -> PodSample | Problem:
+    """A pod's /metrics page (Prometheus text format) -> its sample, with the latency histograms
+    where `latencies` asks for them. Series of one metric (one per model name, or finish reason)
+    are summed."""
     try:
-        values = _summed(text, _WANTED_FAMILIES, (*METRICS, REQUESTS_FINISHED))
+        wanted = _WANTED_FAMILIES + (HISTOGRAMS if latencies else ())
+        families = list(text_string_to_metric_families(_wanted_lines(text, wanted)))
+        values = _summed_samples(families, (*METRICS, REQUESTS_FINISHED))
+        histograms = _summed_buckets(families)
     except _NOT_TEXT_FORMAT as error:
         return Problem(INVALID, f"pod {pod}: /metrics is not Prometheus text ({error})")
-    return checked(pod, values, observed_at)
+    return checked(pod, values, observed_at, histograms)
 
 
 def counter_from_page(text: str, name: str) -> float | None:
@@ -128,17 +155,34 @@ _NOT_TEXT_FORMAT = (ValueError, TypeError, IndexError)
 def _summed(text: str, families: tuple[str, ...], names: tuple[str, ...]) -> dict[str, float]:
     """The page's samples of `names`, each summed over its series (one per model name, or
     finish reason); one of _NOT_TEXT_FORMAT where the page is not Prometheus text."""
+    return _summed_samples(text_string_to_metric_families(_wanted_lines(text, families)), names)
+
+
+def _summed_samples(families: Iterable[Any], names: tuple[str, ...]) -> dict[str, float]:
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(_wanted_lines(text, families)):
+    for family in families:
         for sample in family.samples:
             if sample.name in names:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 
+def _summed_buckets(families: Iterable[Any]) -> dict[str, dict[float, float]]:
+    """{histogram: {upper bound: cumulative count}} of HISTOGRAMS' buckets, summed over series."""
+    found: dict[str, dict[float, float]] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name.removesuffix("_bucket") in HISTOGRAMS and sample.name.endswith("_bucket"):
+                buckets = found.setdefault(sample.name.removesuffix("_bucket"), {})
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return found
+
+
 # The families a sample is made of (a counter's family name has no _total). The parser would take
 # some 5 ms of CPU for an engine's whole page, most of it histogram buckets, per pod and interval:
-# a fleet's worth of that on the loop delays the reads that time out meanwhile.
+# a fleet's worth of that on the loop delays the reads that time out meanwhile. The latency
+# histograms are parsed only for engines with autoscaling.targets: they triple a page's cost.
 _WANTED_FAMILIES = (*METRICS, REQUESTS_FINISHED.removesuffix("_total"))
 # What a line of the text format starts with: a metric name and its labels or value, a comment, or
 # nothing. An HTML error page starts otherwise.
@@ -199,25 +243,55 @@ def held_from_vector(pods: Iterable[str], answer: Mapping[str, float]) -> float 
 def vector(answer: Any) -> dict[str, float]:
     """An /api/v1/query answer -> {pod: value}; raises ValueError when it is not a successful
     instant-vector answer whose series carry a pod label and a value."""
+    found: dict[str, float] = {}
+    for series, value in _series(answer):
+        try:
+            found[str(series["metric"]["pod"])] = value
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"a series without a pod label and a value: {series!r:.200}") from error
+    return found
+
+
+def _series(answer: Any) -> list[tuple[Any, float]]:
+    """A successful instant-vector answer's (series, value) pairs; ValueError otherwise."""
     if not isinstance(answer, dict) or answer.get("status") != "success":
         error = answer.get("error") if isinstance(answer, dict) else None
         raise ValueError(f"the query failed: {error or 'not a Prometheus API answer'}")
     data = answer.get("data")
     if not isinstance(data, dict) or data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
         raise ValueError("the answer is not an instant vector")
-    found: dict[str, float] = {}
+    pairs = []
     for series in data["result"]:
         try:
-            pod = series["metric"]["pod"]
             _, value = series["value"]
-            found[str(pod)] = float(value)
+            pairs.append((series, float(value)))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"a series without a pod label and a value: {series!r:.200}") from error
+    return pairs
+
+
+def bucket_queries(namespace: str, pods: Iterable[str]) -> dict[str, str]:
+    """The PromQL for each latency histogram's cumulative buckets, one series per pod and bound."""
+    selector = f"{label_matcher('namespace', namespace)},{label_regex_matcher('pod', pods)}"
+    return {name: f"sum by (pod, le) ({name}_bucket{{{selector}}})" for name in HISTOGRAMS}
+
+
+def bucket_vector(answer: Any) -> dict[str, dict[float, float]]:
+    """An /api/v1/query answer of a `bucket_queries` query -> {pod: {upper bound: count}}; raises
+    ValueError as `vector` does, and for a series without an le label that is a number."""
+    found: dict[str, dict[float, float]] = {}
+    for series, value in _series(answer):
+        try:
+            found.setdefault(str(series["metric"]["pod"]), {})[float(series["metric"]["le"])] = value
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"a bucket without a pod and an le label: {series!r:.200}") from error
     return found
 
 
-def from_vectors(pods: Iterable[str], vectors: Mapping[str, Mapping[str, float]]) -> Reading:
-    """The answers of `queries` (by the same keys) -> a sample or a problem per pod."""
+def from_vectors(pods: Iterable[str], vectors: Mapping[str, Mapping[str, float]],
+                 buckets: Mapping[str, Mapping[str, Mapping[float, float]]] | None = None) -> Reading:
+    """The answers of `queries` (by the same keys), and of `bucket_queries` where read, -> a
+    sample or a problem per pod."""
     samples: dict[str, PodSample] = {}
     problems: dict[str, Problem] = {}
     for pod in pods:
@@ -227,7 +301,8 @@ def from_vectors(pods: Iterable[str], vectors: Mapping[str, Mapping[str, float]]
         if observed_at is None or not math.isfinite(observed_at):
             problems[pod] = Problem(MISSING, f"Prometheus has no {KV_CACHE_USAGE} of pod {pod}")
             continue
-        result = checked(pod, values, observed_at)
+        histograms = {name: by_pod[pod] for name, by_pod in (buckets or {}).items() if pod in by_pod}
+        result = checked(pod, values, observed_at, histograms)
         if isinstance(result, Problem):
             problems[pod] = result
         else:

@@ -6,6 +6,8 @@ driving a discrete-event model of one InferenceEngine's replicas over a trace.
 - replica.py: one engine replica, at the level of its scheduler steps (pure); cache.py: its prefix cache
 - routing.py: `kvpilot router` in front of the replicas (its own picking function)
 - hold.py: the router's hold, for requests that arrive while no replica is ready (scale to zero)
+- planners.py: the reference scalers sized from the request rate (oracle-reactive, a Dynamo-style
+  TTFT planner, an HPA on requests per second)
 - strategies.py: how replicas and the scheduling policy are chosen each interval; kvpilot's
   calls autoscaler.decide and tuner.decide_policy, the baselines beside it
 - fleet.py: the event loop (arrivals, steps, control intervals, start-up delays)

@@ -101,10 +101,13 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
 
     control = sim.add_argument_group("control (spec.autoscaling, spec.scheduling)")
     control.add_argument("--strategies", type=_strategy_list, metavar="S1,S2,...",
-                         help="from static-peak, static-mean, queue-only, kv-only, kvpilot, each also with +auto "
+                         help="from static-peak, static-mean, oracle-reactive (knows the coming interval's rate), "
+                              "ttft-planner (Dynamo-style: the last interval's rate over the profile's capacity), "
+                              "hpa-rps (an HPA on requests/s per replica), queue-only, kv-only, kvpilot, each also "
+                              "with +auto "
                               "(the policy tuner on); the autoscaled three also with +zero (minReplicas 0: scale "
                               "to zero, which needs a router), as in kvpilot+zero or kvpilot+zero+auto; "
-                              "default: the ten without +zero")
+                              "default: those without +zero")
     control.add_argument("--min-replicas", type=positive_int, default=1, help="of the strategies without +zero")
     control.add_argument("--max-replicas", type=positive_int, default=100)
     control.add_argument("--target-kv-cache-usage", type=_fraction, default=0.8)
@@ -114,6 +117,8 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     control.add_argument("--scale-down-stabilization-seconds", type=non_negative_float, default=300.0)
     control.add_argument("--scale-to-zero-after-seconds", type=non_negative_float, default=300.0,
                          help="+zero: how long the engine stays idle before it goes to 0 replicas")
+    control.add_argument("--backlog-drain-seconds", type=positive_float, default=60.0,
+                         help="how soon kvpilot's autoscaler means to drain a backlog once new replicas are ready")
     control.add_argument("--calm-window-seconds", type=non_negative_float, default=300.0)
 
     route = sim.add_argument_group("routing")
@@ -156,7 +161,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import sys
 
-    from kvpilot.operator.sim import fleet, profile, report, strategies, trace
+    from kvpilot.operator.sim import fleet, planners, profile, report, strategies, trace
 
     for flag in ("rate", "duration"):
         if not math.isfinite(getattr(args, flag) or 0.0):
@@ -193,8 +198,10 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     settings = strategies.Settings(
         args.min_replicas, args.max_replicas, args.target_kv_cache_usage, args.target_queue_depth,
         args.interval_seconds, args.scale_up_stabilization_seconds, args.scale_down_stabilization_seconds,
-        scale_to_zero_after_seconds=args.scale_to_zero_after_seconds, calm_window_seconds=args.calm_window_seconds)
+        scale_to_zero_after_seconds=args.scale_to_zero_after_seconds, calm_window_seconds=args.calm_window_seconds,
+        backlog_drain_seconds=args.backlog_drain_seconds)
     sizes = fleet.sizes(loaded, chosen, engine, args.target_kv_cache_usage)
+    rates = planners.Rates(sizes.capacity, loaded.arrivals)
     show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(loaded) > 1_000_000)
     print(f"{len(loaded)} requests over {loaded.duration:.0f} s ({loaded.mean_rate():.3g}/s mean,"
           f" {loaded.peak_rate():.3g}/s peak); profile {chosen.name}; one replica sustains about"
@@ -203,7 +210,8 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in args.strategies or strategies.DEFAULTS:
         for routing in args.routing:
             label = name if len(args.routing) == 1 else f"{name} {routing}"
-            loop = strategies.build(name, settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean)
+            loop = strategies.build(name, settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean,
+                                    rates=rates)
             run = fleet.simulate(loaded, loop, chosen, engine, priorities=priorities, seed=args.seed,
                                  progress=_progress_bar(label, len(loaded)) if show else None, routing_name=routing,
                                  fresh_counts=args.router_counts == "fresh", hold_timeout_seconds=args.hold_timeout)

@@ -22,8 +22,11 @@ and the control loop passes the autoscaler how many it holds, as the operator pa
 routers' count). The router reads the replicas' states as each request arrives, so then the
 replicas are played in time order up to each arrival, and only the Service's stretches are
 routed in arrays as above. A new replica is ready `startup_seconds` after spec.replicas asks
-for it (image pull and weight load; it costs from the start; one woken from zero is new); a scale-down removes starting replicas first, then the newest ready ones, which take no
-new requests and finish what they hold before they go (cost runs until then). The metrics a
+for it (image pull and weight load; it costs from the start; one woken from zero is new); a
+scale-down removes starting replicas first (as a ReplicaSet does; the autoscaler asks for no
+scale-down while one starts), then the ready ones the autoscaler marked (the least loaded, as
+pod-deletion-cost makes a ReplicaSet do), then the newest ready ones; they take no new requests and
+finish what they hold before they go (cost runs until then). The metrics a
 replica reports are read directly at each interval (the operator's direct scrape).
 """
 
@@ -462,6 +465,10 @@ class _Simulation:
         while excess > 0 and self.starting:
             self._gone(self.starting.pop(), now)
             excess -= 1
+        # The ready replicas the autoscaler chose (the least loaded) go first, then the newest.
+        if excess > 0 and self.loop.remove:
+            rank = {int(name.removeprefix("replica-")): i for i, name in enumerate(self.loop.remove)}
+            self.ready.sort(key=lambda rid: len(rank) - rank[rid] if rid in rank else -1)  # popped from the end
         while excess > 0 and self.ready:
             rid = self.ready.pop()
             if self.replicas[rid].empty():

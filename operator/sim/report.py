@@ -25,10 +25,11 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
     started = ~np.isnan(ttft)
     e2e = (run.finish - trace.time)[served]
     # A request dropped, timed out or late misses its SLO.
-    within = np.count_nonzero(started & (ttft <= ttft_slo))
-    per_tenant = {
-        name: _percentile(ttft[started & (trace.tenant == code)], 99) for code, name in enumerate(trace.tenants)
-    }
+    met = started & (ttft <= ttft_slo)
+    within = np.count_nonzero(met)
+    tenants = [(name, trace.tenant == code) for code, name in enumerate(trace.tenants)]
+    per_tenant = {name: _percentile(ttft[started & ours], 99) for name, ours in tenants}
+    slo_by_tenant = {name: np.count_nonzero(met & ours) / max(1, np.count_nonzero(ours)) for name, ours in tenants}
     duration = trace.duration
     held_ttft = ttft[started & run.held]
     return {
@@ -56,6 +57,7 @@ def summary(run: Run, ttft_slo: float) -> dict[str, Any]:
         # Of the prompt tokens admitted (prefills recomputed after a preemption included).
         "prefix_hit_rate": run.hit_tokens / run.prompt_tokens if run.prompt_tokens else None,
         "ttft_p99_s_by_tenant": per_tenant,
+        "slo_attainment_by_tenant": slo_by_tenant,
         "mean_in_system": float(np.mean(run.series.in_system)) if run.series.time else 0.0,
         "arrival_rate": len(trace) / duration,
         "events": run.events,
@@ -83,7 +85,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
     header = ["strategy", *(["routing", "prefix hits"] if routed else []), "replica-h", "TTFT p50 s", "TTFT p99 s",
               "e2e p99 s", "SLO", "dropped", "timed out", "scale events", "max replicas"]
     if len(tenants) > 1:
-        header += [f"TTFT p99 s {name}" for name in tenants]
+        header += [f"TTFT p99 s {name}" for name in tenants] + [f"SLO {name}" for name in tenants]
     if woke:
         header += ["wakes", "held", "hold timeouts", "held TTFT p50 s", "held TTFT p99 s", "held TTFT max s"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -95,6 +97,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
                  str(s["scale_events"]), str(s["max_replicas"])]
         if len(tenants) > 1:
             cells += [_cell(s["ttft_p99_s_by_tenant"].get(name)) for name in tenants]
+            cells += [f"{100 * s['slo_attainment_by_tenant'][name]:.1f} %" for name in tenants]
         if woke:
             cells += [str(s["wakes"]), str(s["held"]), str(s["hold_timeouts"]), _cell(s["held_ttft_p50_s"]),
                       _cell(s["held_ttft_p99_s"]), _cell(s["held_ttft_max_s"])]

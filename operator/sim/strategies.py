@@ -4,14 +4,17 @@ Every strategy has one shape, `ControlLoop`, which does what the operator's cont
 with one interval's reading (control.py: the autoscaler first, then the tuner, which judges
 whether the engine can still scale from the replicas the interval began with). They differ
 only in the spec they carry:
-- `kvpilot`: autoscaling on, with both of autoscaler.decide's terms (KV-cache usage and queue);
-- `queue-only`: the same decide() with the KV term switched off (its target infinite, which
-  also switches off the arrivals term, scaled by it): a KEDA-style trigger on
+- `kvpilot`: autoscaling on, autoscaler.decide as the operator runs it: the capacity count and
+  the per-replica terms (KV-cache usage and queue);
+- `queue-only`: the same decide() with the KV term switched off (its target infinite) and the
+  capacity count off: a KEDA-style trigger on
   vllm:num_requests_waiting, scaling up by at most max(100 %, 4 pods) per period and down over a
   300 s stabilization window. (The HPA itself computes ceil(total waiting / target), a backlog
   read as a rate; decide()'s queue term drains it over a horizon instead.)
 - `kv-only`: the queue term switched off;
 - `static-peak`, `static-mean`: autoscaling off, a fixed count;
+- `oracle-reactive`, `ttft-planner`, `hpa-rps`: sized from the request rate (planners.py), under
+  the autoscaler's stabilization windows and bounds;
 and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`). The
 autoscaled ones also come with `+zero` (before any `+auto`): `minReplicas: 0`, scaling to zero
 after `scaleToZeroAfterSeconds` idle; the CRD allows it only with routing, which holds the
@@ -20,13 +23,15 @@ requests that arrive at zero.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator import autoscaler, samples, tuner
+from kvpilot.operator.sim import planners
 
-BASES = ("static-peak", "static-mean", "queue-only", "kv-only", "kvpilot")
+BASES = ("static-peak", "static-mean", *planners.NAMES, "queue-only", "kv-only", "kvpilot")
 AUTOSCALED = ("queue-only", "kv-only", "kvpilot")
 TUNED = "+auto"
 TO_ZERO = "+zero"
@@ -46,6 +51,7 @@ class Settings:
     scale_up_stabilization_seconds: float = 0.0
     scale_down_stabilization_seconds: float = 300.0
     scale_to_zero_after_seconds: float = 300.0  # with min_replicas 0
+    backlog_drain_seconds: float = autoscaler.BACKLOG_DRAIN_SECONDS
     calm_window_seconds: float = 300.0
 
 
@@ -58,6 +64,12 @@ class ControlLoop:
     history: tuple[tuple[float, int], ...] = ()
     memory: autoscaler.Memory = field(default_factory=autoscaler.Memory)
     tuner_state: tuner.TunerState = field(default_factory=tuner.TunerState)
+    # A planner's name and what it knows of the load (planners.py), for the rate-sized strategies.
+    planner: tuple[str, planners.Rates] | None = None
+    # Whether decide() sizes from capacity too (kvpilot) or from its per-replica terms alone.
+    capacity_sizing: bool = True
+    # The last decision's ready replicas to remove first (autoscaler.Decision.remove).
+    remove: tuple[str, ...] = ()
 
     @property
     def replicas(self) -> int:
@@ -73,11 +85,17 @@ class ControlLoop:
         routers hold (None: no router), as control.py reads it."""
         spec = self.spec
         replicas = spec["replicas"]
-        if self.autoscaled:
-            decision = autoscaler.decide(autoscaler.Policy.from_spec(spec["autoscaling"]), replicas, ready, starting,
-                                         reading, self.history, now, self.memory, held=held)
+        self.remove = ()
+        if self.planner is not None:
+            replicas = self._plan(ready, starting, now)
+        elif self.autoscaled:
+            scaling = dataclasses.replace(autoscaler.Policy.from_spec(spec["autoscaling"]),
+                                          capacity_sizing=self.capacity_sizing)
+            decision = autoscaler.decide(scaling, replicas, ready, starting, reading, self.history, now, self.memory,
+                                         held=held)
             self.history = decision.history
             self.memory = decision.memory
+            self.remove = decision.remove
             replicas = decision.replicas
         policy = spec["scheduling"]["policy"]
         if policy == tuner.AUTO:
@@ -91,12 +109,28 @@ class ControlLoop:
         spec["replicas"] = replicas
         return replicas, policy
 
+    def _plan(self, ready: list[str], starting: int, now: float) -> int:
+        name, rates = self.planner
+        replicas = self.spec["replicas"]
+        policy = autoscaler.Policy.from_spec(self.spec["autoscaling"])
+        since = now if self.memory.since is None else self.memory.since
+        self.memory = autoscaler.Memory(since=since)
+        wanted = planners.recommend(name, rates, now, policy.interval_seconds, replicas)
+        # Starting pods are never removed, as the autoscaler never removes them.
+        lowest = min(replicas, len(ready) + starting) if starting else 0
+        target, self.history = autoscaler.stabilized(policy, replicas, wanted,
+                                                     self.history, now, since, lowest=lowest)
+        return target
 
-def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) -> ControlLoop:
+
+def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int,
+          rates: planners.Rates | None = None) -> ControlLoop:
     """The strategy called `name` (one of NAMES); `peak` and `mean` are the static counts, and
-    the autoscaled ones start from `initial` replicas."""
+    the autoscaled ones start from `initial` replicas; the planners need `rates`."""
     if name not in NAMES:
         raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}")
+    if name.removesuffix(TUNED) in planners.NAMES and rates is None:
+        raise ValueError(f"strategy {name!r} needs the trace's rates")
     base, tuned = name.removesuffix(TUNED), name.endswith(TUNED)
     base, to_zero = base.removesuffix(TO_ZERO), base.endswith(TO_ZERO)
     kv, queue = settings.target_kv_cache_usage, settings.target_queue_depth
@@ -117,9 +151,11 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int) 
             "scaleUpStabilizationSeconds": settings.scale_up_stabilization_seconds,
             "scaleDownStabilizationSeconds": settings.scale_down_stabilization_seconds,
             "scaleToZeroAfterSeconds": settings.scale_to_zero_after_seconds,
+            "backlogDrainSeconds": settings.backlog_drain_seconds,
         },
         "scheduling": {"policy": tuner.AUTO if tuned else tuner.CALM_POLICY,
                        "calmWindowSeconds": settings.calm_window_seconds},
     }
     tuner_spec = {**spec, "autoscaling": {**spec["autoscaling"], "targetQueueDepth": settings.target_queue_depth}}
-    return ControlLoop(name, spec, tuner_spec)
+    planner = (base, rates) if base in planners.NAMES else None
+    return ControlLoop(name, spec, tuner_spec, planner=planner, capacity_sizing=base == "kvpilot")

@@ -48,6 +48,10 @@ class Trace:
     def mean_rate(self) -> float:
         return len(self) / self.duration
 
+    def arrivals(self, start: float, end: float) -> int:
+        """Requests arriving in [start, end)."""
+        return int(np.searchsorted(self.time, end) - np.searchsorted(self.time, start))
+
     def peak_rate(self, window_s: float = 60.0) -> float:
         """The busiest window's arrivals per second (the intensity's maximum, where known)."""
         if self.rate is not None:

@@ -81,6 +81,8 @@ class FakeMetrics:
             values = {pod: count for pod, count in self.held.items() if re.escape(pod) in wanted}
         elif query.startswith("max by (pod) (timestamp("):
             values = {pod: self.pods[pod].scraped_at or time.time() for pod in pods}
+        elif query.startswith("sum by (pod, le) ("):
+            values = {}  # latency histograms: this Prometheus has none, as one without the engines' buckets
         elif query.startswith("sum by (pod) (vllm:request_success_total{"):
             values = {pod: self.pods[pod].finished for pod in pods}
         else:

@@ -33,7 +33,7 @@ def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
 def recorded_calls(tmp_path: Path) -> set[Right]:
     """Every right the operator needs while it creates an engine's children (ServiceMonitor
     included), follows a spec change and a rollout, recreates a deleted Deployment, adds the
-    routers (their ServiceAccount, Role and RoleBinding) and removes them, autoscales,
+    routers (their ServiceAccount, Role and RoleBinding) and removes them, autoscales up and down,
     reading the pods directly and then through Prometheus, and tunes the scheduling policy."""
     async def scenario() -> set[Right]:
         pod = FakePod(token=None)
@@ -64,6 +64,12 @@ def recorded_calls(tmp_path: Path) -> set[Right]:
             fake.set(["qwen-a"], kv=1.0, waiting=50)
             await k.update_engine("qwen", lambda spec: spec["scheduling"].update(policy="auto"))
             await eventually(lambda: pod.switches == ["priority"], "the pod switched", timeout=20)
+
+            # Idle, with a second pod: the scale-down marks the pod it removes first.
+            await k.create_pod("qwen-b", "qwen", ready=True)
+            fake.set(["qwen-a", "qwen-b"], kv=0.0)
+            await k.update_engine("qwen", lambda spec: spec["autoscaling"].update(scaleDownStabilizationSeconds=0))
+            await eventually(lambda: k.engine("qwen")["spec"]["replicas"] == 1, "a scale-down")
             return used(k)
 
     return run(scenario())

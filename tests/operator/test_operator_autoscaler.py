@@ -93,44 +93,79 @@ def decide_after(before: samples.PodSample, now: samples.PodSample) -> autoscale
                              autoscaler.Memory({"p0": before}))
 
 
-def test_a_backlog_is_drained_within_the_horizon_by_routing_arrivals_elsewhere() -> None:
-    # Over 15 s the pod finished 420 requests (28/s) while its queue grew by 180 (12/s): 40/s
-    # arrive. To drain the 600 beyond the target in 60 s at 28/s, at most 28 - 600/60 = 18/s may
-    # still arrive here: 40 / 18 = 2.2 -> 3 replicas. (Read as a rate, 605 / 5 = 121.)
+def test_arrivals_over_capacity_plus_the_backlog_new_replicas_can_still_help() -> None:
+    # Over 15 s the pod finished 420 requests (28/s, its capacity: it has a backlog) while its
+    # queue grew by 180 (12/s): 40/s arrive. A replica asked for now is ready in 120 s (none was
+    # seen to start yet): the 600 waiting beyond the target will have waited longer than the 60 s
+    # drain time by then, so no new replica can help them. In the last 60 s before it is ready,
+    # 2400 arrive and the ready replica takes 1680: 720 left, drained in 60 s at 28/s per replica.
     decision = decide_after(sampled(0, 425, 1000), sampled(15, 605, 1420))
-    assert decision.replicas == 3
-    assert math.isclose(decision.load.saturation, 40 / (28 - 600 / autoscaler.BACKLOG_DRAIN_SECONDS))
-    # What the next call needs: this reading, the backlogged pod's 28/s as a replica's capacity,
-    # and when the memory began (at this call: the one it was given did not say).
-    assert decision.memory == autoscaler.Memory({"p0": sampled(15, 605, 1420)}, backlog_finished=420,
-                                                backlog_seconds=15, since=15.0)
-    assert decision.memory.capacity == 28.0
-    # The same backlog, shrinking by 20/s: 8/s arrive, fewer than the 16.4/s it may take: held.
+    load = decision.load
+    assert (load.arrival_rate, load.backlog) == (40, 720)
+    assert math.isclose(load.capacity_replicas, (40 + 720 / 60) / 28) and decision.replicas == 2
+    assert "40 requests/s arriving and a backlog of 720 when a new replica is ready ask for 1.9" in decision.message
+    assert decision.memory.capacity == 28.0 and decision.memory.on_way_since == (15.0,)
+    # Where replicas start in 30 s, the backlog waiting now is still young when they are ready:
+    # 600 + 30 x 40 - 30 x 28 = 960 left, (40 + 960 / 60) / 28 = 2 replicas.
+    fast = autoscaler.decide(dataclasses.replace(WIDE, target_kv_cache_usage=1.0), 1, ["p0"], 0,
+                             samples.Reading({"p0": sampled(15, 605, 1420)}), (), 15.0,
+                             autoscaler.Memory({"p0": sampled(0, 425, 1000)}, startup_seconds=30))
+    assert fast.load.backlog == 960 and math.isclose(fast.load.capacity_replicas, 2.0) and fast.replicas == 2
+    # A shrinking backlog on replicas that keep up asks for nothing more.
     assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
-    # Beyond what a halving of its arrivals drains in time (1000 waiting: 28 - 995/60 = 11.4/s
-    # would be needed): at most MAX_SPREAD times thinner, 40 / 14 = 2.9 -> 3.
-    far = decide_after(sampled(0, 820, 1000), sampled(15, 1000, 1420))
-    assert math.isclose(far.load.saturation, 40 / (28 / autoscaler.MAX_SPREAD)) and far.replicas == 3
 
 
-def test_arrivals_are_read_in_capacities_learnt_under_a_backlog() -> None:
-    # Two pods, one with a backlog finishing 28/s: a replica's capacity. The other, with no queue,
-    # finished 15/s and took 15/s: at targetKVCacheUsage (0.5) of 28/s, that is 15 / 14 = 1.07
-    # replicas' worth, which neither its KV (0.3 / 0.5) nor its empty queue shows.
-    memory = autoscaler.Memory({"p0": sampled(0, 820, 1000), "p1": sampled(0, 0, 500)})
-    now = samples.Reading({"p0": sampled(15, 1000, 1420), "p1": dataclasses.replace(sampled(15, 0, 725), pod="p1")})
-    decision = autoscaler.decide(WIDE, 2, ["p0", "p1"], 0, now, (), 15.0, memory)
-    assert decision.memory.capacity == 28.0
-    assert math.isclose(decision.load.saturation, (40 / 14 + 15 / 14) / 2)
-    # Once the backlog is gone the capacity is remembered: 10/s on each of 2 pods reads as 10 / 14
-    # = 0.71 replicas each, so 2 stay, where their KV (0.1 / 0.5) and empty queues would say 1.
-    calm = samples.Reading({pod: samples.PodSample(pod, 0.1, 0, 20, 30.0, 875) for pod in ("p0", "p1")})
+def test_a_step_that_replicas_on_their_way_will_drain_does_not_double_the_fleet() -> None:
+    # 10 replicas complete 28/s each (their capacity) while 30/s each arrive (their queues grow by
+    # 2/s): a step of 7 %. A replica starts in 60 s. The 300 waiting beyond the targets and the
+    # 20/s short for that minute are 1500 requests, drained in 60 s by (300 + 1500 / 60) / 28 =
+    # 11.6 replicas: 12, not the 20 of a doubling, nor the 70 of the queue read as a rate.
+    names = [f"p{i}" for i in range(10)]
+    before = {pod: samples.PodSample(pod, 0.3, 5, 200, 0.0, 1000) for pod in names}
+    now = {pod: samples.PodSample(pod, 0.3, 35, 200, 15.0, 1420) for pod in names}
+    memory = autoscaler.Memory(before, backlog_finished=420, backlog_seconds=15, startup_seconds=60)
+    decision = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(now), (), 15.0, memory)
+    assert decision.load.backlog == 1500 and decision.replicas == 12
+    # The next interval, the queues still growing: the two replicas on their way since t=15 are
+    # ready at t=75, 15 s before one asked for now would be. 600 waiting + 60 s x 20/s short -
+    # 2 x 15 s x 28/s = 960 left, (300 + 960 / 60) / 28 = 11.3 replicas: no more than the 12.
+    later = {pod: samples.PodSample(pod, 0.3, 65, 200, 30.0, 1840) for pod in names}
+    again = autoscaler.decide(WIDE, 12, names, 2, samples.Reading(later), decision.history, 30.0, decision.memory)
+    assert again.memory.on_way_since == (15.0, 15.0) and again.load.backlog == 960 and again.replicas == 12
+
+
+def test_the_capacity_learnt_under_a_backlog_holds_the_replicas_the_arrivals_need() -> None:
+    # Once the backlog is gone the capacity (28/s) is remembered: 20/s on each of 2 pods, with
+    # empty queues and little KV (0.1 / 0.5), still needs 40 / 28 = 1.4 -> 2 replicas, not 1.
+    calm = samples.Reading({pod: samples.PodSample(pod, 0.1, 0, 20, 30.0, 1025) for pod in ("p0", "p1")})
     pods = {pod: samples.PodSample(pod, 0.1, 0, 20, 15.0, 725) for pod in ("p0", "p1")}
     policy = dataclasses.replace(WIDE, scale_down_stabilization_seconds=0)
     later = autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods, 420, 15))
-    assert later.memory.capacity == 28.0 and math.isclose(later.load.saturation, 10 / 14)
+    assert later.memory.capacity == 28.0 and math.isclose(later.load.capacity_replicas, 40 / 28)
     assert later.replicas == 2
+    # Without a capacity learnt, KV and queue alone say 1.
     assert autoscaler.decide(policy, 4, ["p0", "p1"], 0, calm, (), 30.0, autoscaler.Memory(pods)).replicas == 1
+
+
+def test_a_replicas_start_up_time_is_learnt_from_the_pods_seen_starting() -> None:
+    # Asked for at t=0, ready at t=90: the start-up the backlog is projected over.
+    first = decide(1, [(0.95, 0)], t=0.0)
+    assert first.replicas == 2 and first.memory.on_way_since == (0.0,)
+    memory = first.memory
+    for t in range(15, 90, 15):
+        memory = autoscaler.decide(POLICY, 2, ["p0"], 1, reading(t, (0.5, 0)), (), t, memory).memory
+    ready = autoscaler.decide(POLICY, 2, ["p0", "p1"], 0, reading(90, (0.5, 0), (0.5, 0)), (), 90.0, memory)
+    assert ready.memory.startup_seconds == 90 and ready.memory.on_way_since == ()
+    assert autoscaler.Memory().startup == autoscaler.STARTUP_SECONDS
+    # A wake from zero is a start too; at zero, what was learnt (start-up, capacity) is kept.
+    to_zero = dataclasses.replace(POLICY, min_replicas=0)
+    asleep = dataclasses.replace(ready.memory, backlog_finished=420, backlog_seconds=15)
+    woken = autoscaler.decide(to_zero, 0, [], 0, samples.Reading(), (), 600.0, asleep, held=3.0)
+    assert woken.replicas == 1 and woken.memory.on_way_since == (600.0,)
+    assert (woken.memory.startup_seconds, woken.memory.capacity) == (90, 28)
+    starting = autoscaler.decide(to_zero, 1, [], 1, samples.Reading(), (), 615.0, woken.memory, held=3.0)
+    up = autoscaler.decide(to_zero, 1, ["p0"], 0, reading(660.0, (0.1, 0)), (), 660.0, starting.memory, held=0.0)
+    assert up.memory.startup_seconds == 90 * 0.5 + 60 * 0.5
 
 
 def test_a_replicas_capacity_is_measured_over_every_backlog_not_the_last_interval() -> None:
@@ -243,9 +278,9 @@ def test_brief_dip_is_no_scale_down() -> None:
     assert replay(POLICY, timeline, replicas=3) == [3] * len(timeline)
 
 
-def test_scale_up_is_at_most_doubling_or_plus_four() -> None:
-    assert decide(1, [(1.0, 100)]).replicas == 5  # +4 beats doubling
-    assert decide(8, [(1.0, 100)] * 8, policy=dataclasses.replace(POLICY, max_replicas=100)).replicas == 16
+def test_scale_up_goes_to_the_recommendation_at_once() -> None:
+    # No fixed step: 1 + 95/20 batches of 20 waiting beyond the target on one replica -> 6.
+    assert decide(1, [(0.1, 100, 20)]).replicas == 6
 
 
 def test_bounds_and_scaling_limited() -> None:
@@ -372,3 +407,68 @@ def test_samples_of_pods_that_are_not_ready_are_ignored() -> None:
     read = reading(0, (0.5, 0), (1.0, 50))  # p1 is not ready: its reading does not count
     decision = autoscaler.decide(POLICY, 2, ["p0"], 1, read, (), 0)
     assert decision.replicas == 2 and math.isclose(decision.load.saturation, 1.0)
+
+
+TARGETED = dataclasses.replace(POLICY, target_ttft_seconds=1.0)
+BOUNDS = (0.5, 1.0, 2.5, math.inf)
+
+
+def buckets(*counts: float) -> samples.Buckets:
+    """Cumulative counts at BOUNDS."""
+    return tuple(zip(BOUNDS, counts))
+
+
+def test_the_latency_quantile_is_read_from_the_buckets_filled_in_between() -> None:
+    # 100 requests in the interval: 50 within 0.5 s, 30 more within 1 s, 20 more within 2.5 s. The
+    # 90th is the 10th of the 20 in (1, 2.5]: 1 + 1.5 x 10/20 = 1.75 s.
+    assert autoscaler.quantile(0.9, buckets(70, 110, 130, 130), buckets(20, 30, 30, 30)) == 1.75
+    # Beyond the largest finite bound: that bound, as PromQL's histogram_quantile says.
+    assert autoscaler.quantile(0.9, buckets(0, 0, 0, 20), buckets(0, 0, 0, 0)) == 2.5
+    # Too few to say, a restarted engine (counts went back), other bounds: nothing.
+    assert autoscaler.quantile(0.9, buckets(5, 5, 5, 5), buckets(0, 0, 0, 0)) is None
+    assert autoscaler.quantile(0.9, buckets(0, 0, 0, 20), buckets(0, 0, 0, 40)) is None
+    assert autoscaler.quantile(0.9, buckets(0, 0, 0, 20)[1:], buckets(0, 0, 0, 0)[1:] + ((9.0, 0),)) is None
+
+
+def test_a_ttft_breach_at_normal_kv_and_queue_levels_scales_up() -> None:
+    # Both pods at 0.3 KV (0.6 of the target) with 2 waiting (0.4): calm by those. Their p90 TTFT
+    # over the interval is 1.75 s against a 1 s target: each counts 1.75 busy, 2 x 1.75 -> 4.
+    before = {pod: samples.PodSample(pod, 0.3, 2, 10, 0.0, 0, buckets(20, 30, 30, 30)) for pod in ("p0", "p1")}
+    now = {pod: samples.PodSample(pod, 0.3, 2, 10, 15.0, 100, buckets(70, 110, 130, 130)) for pod in ("p0", "p1")}
+    decision = autoscaler.decide(TARGETED, 2, ["p0", "p1"], 0, samples.Reading(now), (), 15.0,
+                                 autoscaler.Memory(before))
+    assert math.isclose(decision.load.saturation, 1.75) and decision.replicas == 4
+    assert decision.conditions[0] == autoscaler.Condition(
+        autoscaler.METRICS_AVAILABLE, True, "MetricsRead", "read 2 ready replicas")
+    # The same reading without the target: 2 hold.
+    assert autoscaler.decide(POLICY, 2, ["p0", "p1"], 0, samples.Reading(now), (), 15.0,
+                             autoscaler.Memory(before)).replicas == 2
+
+
+def test_missing_latency_histograms_leave_kv_and_queue_in_charge_with_a_reason() -> None:
+    # A TTFT target, and engines that export no histogram: KV (0.95 / 0.5) decides, as without
+    # a target, and MetricsAvailable says why the target is not read.
+    decision = autoscaler.decide(TARGETED, 2, ["p0", "p1"], 0, reading(15.0, (0.95, 0), (0.95, 0)), (), 15.0)
+    assert decision.replicas == 4
+    available = decision.conditions[0]
+    assert (available.type, available.status, available.reason) == (
+        autoscaler.METRICS_AVAILABLE, True, autoscaler.LATENCY_MISSING)
+    assert available.message == ("pod p0 reports no vllm:time_to_first_token_seconds; pod p1 reports no"
+                                 " vllm:time_to_first_token_seconds: KV-cache usage and queue depth decide alone")
+
+
+def test_a_starting_pod_is_never_chosen_for_removal() -> None:
+    policy = dataclasses.replace(POLICY, scale_down_stabilization_seconds=0)
+    idle = samples.Reading({"p0": samples.PodSample("p0", 0.0, 0, 3, 0.0),
+                            "p1": samples.PodSample("p1", 0.0, 0, 0, 0.0),
+                            "p2": samples.PodSample("p2", 0.0, 1, 0, 0.0)})
+    # The load asks for 1. A ReplicaSet deletes unready pods first, so while one starts the count
+    # stays at the pods ready and starting.
+    starting = autoscaler.decide(policy, 4, ["p0", "p1", "p2"], 1, idle, (), 0.0)
+    assert (starting.replicas, starting.remove) == (4, ())
+    # Pods asked for but not created yet may go; the starting one stays.
+    uncreated = autoscaler.decide(policy, 6, ["p0", "p1", "p2"], 1, idle, (), 0.0)
+    assert (uncreated.replicas, uncreated.remove) == (4, ())
+    # Once none starts: down to 1, the least loaded first (p1 runs nothing, p2 has one waiting).
+    ready = autoscaler.decide(policy, 3, ["p0", "p1", "p2"], 0, idle, (), 0.0)
+    assert (ready.replicas, ready.reason, ready.remove) == (1, autoscaler.SCALED_DOWN, ("p1", "p2"))

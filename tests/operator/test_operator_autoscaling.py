@@ -123,6 +123,40 @@ def test_a_brief_dip_holds_and_sustained_low_load_scales_down_once(tmp_path: Pat
     run(scenario())
 
 
+def test_a_scale_down_marks_the_least_loaded_pods_with_a_deletion_cost_before_it_writes_the_count(
+        tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):
+            await pods(k, fake, ["qwen-a"], kv=0.05, running=6)
+            await pods(k, fake, ["qwen-b"], kv=0.05, running=0)
+            await pods(k, fake, ["qwen-c"], kv=0.05, running=1)
+            await created(k, spec_with(3, scaleDownStabilizationSeconds=2))
+            await eventually(lambda: replicas(k) == 1, "a scale-down", timeout=20)
+            costs = {name: (k.object("v1/pods", name)["metadata"].get("annotations") or {}).get(
+                "controller.kubernetes.io/pod-deletion-cost") for name in ("qwen-a", "qwen-b", "qwen-c")}
+            # The two with the fewest requests go first: a ReplicaSet deletes the lowest cost first.
+            assert costs == {"qwen-a": None, "qwen-b": "-1000", "qwen-c": "-1000"}
+            operator_writes = [r for r in k.server if r.method == "PATCH" and r.resource is not None
+                               and r.headers.get("User-Agent") != "kvpilot-tests"]
+            order = [(r.resource.plural, r.subresource) for r in operator_writes
+                     if r.resource.plural == "pods" or r.subresource == "scale"]
+            assert order == [("pods", None), ("pods", None), ("inferenceengines", "scale")]
+
+    run(scenario())
+
+
+def test_latency_targets_read_the_pods_histograms(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):
+            await pods(k, fake, ["qwen-a"], kv=0.5, waiting=4)
+            await created(k, spec_with(1, targets={"ttftSeconds": 2, "itlSeconds": 0.1}))
+            # The engine's page has both histograms: read, so no LatencyMissing.
+            await eventually(lambda: metrics_condition(k).get("status") == "True", "a first reading")
+            assert metrics_condition(k)["reason"] == "MetricsRead"
+
+    run(scenario())
+
+
 def test_bad_or_missing_pod_metrics_hold_the_count_and_say_why(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):

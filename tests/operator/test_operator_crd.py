@@ -75,7 +75,9 @@ def test_schema_carries_every_design_field() -> None:
     assert set(spec["autoscaling"]["properties"]) == {
         "enabled", "minReplicas", "maxReplicas", "targetKVCacheUsage", "targetQueueDepth", "prometheus",
         "intervalSeconds", "scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds", "scaleToZeroAfterSeconds",
+        "backlogDrainSeconds", "targets",
     }
+    assert set(spec["autoscaling"]["properties"]["targets"]["properties"]) == {"ttftSeconds", "itlSeconds"}
     assert set(spec["service"]["properties"]) == {"type", "port"}
     assert set(spec["routing"]["properties"]) == {
         "enabled", "replicas", "resources", "strategy", "boundedLoadFactor", "holdTimeoutSeconds",
@@ -104,7 +106,7 @@ def test_design_defaults() -> None:
     assert spec["autoscaling"] == {
         "enabled": False, "minReplicas": 1, "targetKVCacheUsage": 0.8, "targetQueueDepth": 5,
         "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300,
-        "scaleToZeroAfterSeconds": 300,
+        "scaleToZeroAfterSeconds": 300, "backlogDrainSeconds": 60,
     }
     assert spec["routing"] == {
         "enabled": True, "replicas": 2, "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
@@ -217,6 +219,11 @@ def test_invalid_specs_are_rejected_with_a_clear_message(change: str, expected: 
         ({"routing": {"strategy": "random"}}, "'random' is not one of"),
         ({"routing": {"boundedLoadFactor": 0.5}}, "0.5 is less than the minimum of 1"),
         ({"autoscaling": {"targetKVCacheUsage": 0}}, "less than or equal to the minimum of 0"),
+        ({"autoscaling": {"targets": {}}}, "autoscaling.targets names no target: set ttftSeconds, itlSeconds or both"),
+        ({"autoscaling": {"targets": {"ttftSeconds": 0}}}, "less than or equal to the minimum of 0"),
+        ({"autoscaling": {"targets": {"ttftSeconds": 90}}},
+         "autoscaling.targets.ttftSeconds must be below autoscaling.backlogDrainSeconds"),
+        ({"autoscaling": {"backlogDrainSeconds": 0}}, "0 is less than the minimum of 1"),
     ],
 )
 def test_more_bad_input_is_rejected(change: dict[str, Any], expected: str) -> None:

@@ -3,6 +3,7 @@ answers and pod pages parsed, and every kind of bad input a Problem, never an ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -13,18 +14,39 @@ from kvpilot.runtime.router.metrics import RouterMetrics
 from kvpilot.runtime.server.metrics import ServerMetrics
 
 
-def engine_page(kv: float, waiting: int, running: int) -> str:
+def engine_page(kv: float, waiting: int, running: int, ttfts: tuple[float, ...] = ()) -> str:
     """What a kvpilot engine's /metrics serves (its own renderer)."""
     page = ServerMetrics("tiny", 16, 100)
     page.kv_cache_usage.set(kv)
     page.num_requests_waiting.set(waiting)
     page.num_requests_running.set(running)
+    for ttft in ttfts:
+        page.time_to_first_token.observe(ttft)
     return page.render().decode()
 
 
+def gauges(sample: samples.PodSample) -> samples.PodSample:
+    """The sample without its latency histograms."""
+    return dataclasses.replace(sample, ttft=None, itl=None)
+
+
 def test_an_engine_page_is_one_sample() -> None:
-    assert samples.from_page("qwen-0", engine_page(0.25, 3, 7), 100.0) == samples.PodSample(
-        "qwen-0", 0.25, 3, 7, 100.0, num_finished=0.0)
+    page = engine_page(0.25, 3, 7, ttfts=(0.03, 0.3, 0.3, 30.0))
+    assert samples.from_page("qwen-0", page, 100.0) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0, num_finished=0.0)
+    # With latencies (autoscaling.targets): the histograms' cumulative buckets, by bound, up to +Inf.
+    sample = samples.from_page("qwen-0", page, 100.0, latencies=True)
+    assert gauges(sample) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0, num_finished=0.0)
+    ttft = dict(sample.ttft)
+    assert (ttft[0.02], ttft[0.04], ttft[0.25], ttft[0.5], ttft[20.0], ttft[40.0], ttft[math.inf]) == (0, 1, 1, 3, 3, 4, 4)
+    assert sample.itl[-1] == (math.inf, 0)
+
+
+def test_a_histogram_that_is_not_cumulative_is_invalid() -> None:
+    page = engine_page(0.25, 3, 7, ttfts=(0.3,)).replace(
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="tiny"} 1.0',
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="tiny"} 0.0')
+    problem = samples.from_page("qwen-0", page, 100.0, latencies=True)
+    assert problem.reason == samples.INVALID and "vllm:time_to_first_token_seconds histogram" in problem.message
 
 
 def test_finished_requests_are_summed_over_reasons_and_optional() -> None:
@@ -34,7 +56,7 @@ def test_finished_requests_are_summed_over_reasons_and_optional() -> None:
     assert samples.from_page("qwen-0", page, 100.0).num_finished == 42
     # An engine without the counter still gives a sample; the autoscaler then has no rate.
     gauges_only = "\n".join(line for line in page.splitlines() if "request_success" not in line) + "\n"
-    assert samples.from_page("qwen-0", gauges_only, 100.0) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0)
+    assert gauges(samples.from_page("qwen-0", gauges_only, 100.0)) == samples.PodSample("qwen-0", 0.25, 3, 7, 100.0)
     negative = page.replace('"length",model_name="tiny"} 2.0', '"length",model_name="tiny"} -50.0')
     assert samples.from_page("qwen-0", negative, 100.0).reason == samples.INVALID
 
@@ -117,7 +139,7 @@ def test_only_the_wanted_families_are_parsed() -> None:
         'vllm:num_requests_waiting_by_priority{priority="0"} 9',
         'vllm:e2e_request_latency_seconds_bucket{le="1" 3',
     ]) + "\n"
-    assert samples.from_page("p", page, 0.0) == samples.PodSample("p", 0.25, 1, 2, 0.0, num_finished=0.0)
+    assert gauges(samples.from_page("p", page, 0.0)) == samples.PodSample("p", 0.25, 1, 2, 0.0, num_finished=0.0)
 
 
 def router_page(held: int) -> str:

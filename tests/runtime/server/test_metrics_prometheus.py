@@ -75,7 +75,7 @@ async def until(source: metrics.Prometheus, check, what: str) -> samples.Reading
     """Read both pods until `check(reading)` holds; fail, saying what was awaited, after WAIT_S."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        reading = await source.read("ml", [pod(LOADED), pod(IDLE)], time.time())
+        reading = await source.read("ml", [pod(LOADED), pod(IDLE)], time.time(), latencies=True)
         assert reading.failure is None, reading.failure
         if check(reading):
             return reading
@@ -100,14 +100,19 @@ def test_the_prometheus_source_follows_one_engines_load(prometheus, loaded_serve
                 busy = await until(source, lambda r: LOADED in r.samples and r.samples[LOADED].num_waiting > 1
                                    and r.samples[LOADED].kv_cache_usage > 0, "the loaded engine's queue and KV usage")
                 assert busy.samples[LOADED].num_running > 0
-                # The idle pod is the session's shared server: its finished counter holds what other
-                # tests sent it, and must not move while only the loaded pod gets requests.
-                idle = busy.samples[IDLE]
-                assert idle == samples.PodSample(IDLE, 0, 0, 0, idle.observed_at, first.samples[IDLE].num_finished)
-                assert idle.num_finished is not None
+                # The idle pod is the session's shared server: its finished counter and latency
+                # histograms hold what other tests sent it, and must not move while only the loaded
+                # pod gets requests.
+                idle, was = busy.samples[IDLE], first.samples[IDLE]
+                assert idle == samples.PodSample(IDLE, 0, 0, 0, idle.observed_at, was.num_finished, was.ttft, was.itl)
+                assert idle.num_finished is not None and idle.ttft is not None and idle.itl is not None
 
             calm = await until(source, both_idle, "the loaded engine back to 0")
             assert calm.samples[LOADED].num_finished > (first.samples[LOADED].num_finished or 0)
+            # Its latency histograms' buckets, through `sum by (pod, le)`, counted the load's requests.
+            for name in ("ttft", "itl"):
+                (_, total), (_, before) = getattr(calm.samples[LOADED], name)[-1], getattr(first.samples[LOADED], name)[-1]
+                assert total > before, name
 
         # A pod that Prometheus does not scrape is missing, by name.
         async with aiohttp.ClientSession() as session:
