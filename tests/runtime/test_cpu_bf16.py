@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime import cpu_bf16
+from kvpilot.runtime import cli, cpu_bf16
 from kvpilot.runtime.config import EngineArgs
 
 # Flags of the machines these engines meet: a Xeon with AMX, an EPYC of the Zen 4 generation
@@ -40,3 +40,12 @@ def test_this_machines_flags_are_read():
     """Whatever this CPU is, its flags come back (every x86 CPU since 2003 has sse2)."""
     flags = cpu_bf16.cpu_flags()
     assert "sse2" in flags or "asimd" in flags or "fp" in flags
+
+
+def test_kvpilot_serve_refuses_it_as_a_usage_error(tiny_llama_dir, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda: frozenset(AVX512_WITHOUT_BF16))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["serve", str(tiny_llama_dir), "--dtype", "bfloat16"])
+    assert raised.value.code == 2
+    assert "argument --dtype: bfloat16 on a CPU needs AVX-512 BF16 or AMX" in capsys.readouterr().err
