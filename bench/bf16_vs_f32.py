@@ -4,7 +4,9 @@ both dtypes, offline (`LLM.generate`), the runs alternating between the two engi
 Prefill: prompts of random tokens, one token out, prompt tokens per second. Decode: batches of short
 random prompts (8 tokens), `--new-tokens` out with EOS ignored, output tokens per second (the short
 prefill is in the time). Every run draws prompts of its own, so no run hits another's cached
-prefix. On a CPU without AVX-512 BF16 or AMX the bfloat16 engine is refused, and so is this script.
+prefix. One engine is alive at a time (an idle second engine on the same cores slowed the other
+3-15x here): each repetition loads the model in each dtype in turn (the order alternating), warms
+every workload up once, times them all, and shuts the engine down. On a CPU without AVX-512 BF16 or AMX the bfloat16 engine is refused, and so is this script.
 
     .venv/bin/python bench/bf16_vs_f32.py [--model FILE.gguf|DIR] [--output-dir DIR]
 """
@@ -47,30 +49,31 @@ def main() -> None:
     args = parser.parse_args()
     report = BenchReport(__file__, args.output_dir, torch.get_num_threads(), ROOT)
     model = args.model or str(ensure_default_model())
-    engines = {dtype: LLM(model, dtype=dtype, max_model_len=args.prompt_len + args.new_tokens) for dtype in DTYPES}
-    vocab_size = engines["float32"].config.model.vocab_size
-
-    def run(dtype: str, count: int, length: int, max_tokens: int, point: int):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-        def one(repetition: int) -> float:
-            prompts = _prompts(count, length, vocab_size, seed=1000 * repetition + point)
-            start = time.perf_counter()
-            outputs = engines[dtype].generate(prompts, params)
-            seconds = time.perf_counter() - start
-            tokens = count * length if max_tokens == 1 else sum(len(o.outputs[0].token_ids) for o in outputs)
-            return tokens / seconds
-        return one
-
     workloads = {"prefill": (args.prefill_prompts, args.prompt_len, 1)}
     workloads |= {f"decode, batch {b}": (b, DECODE_PROMPT_LEN, args.new_tokens) for b in args.batch_sizes}
-    for dtype in DTYPES:  # warm-up: kernels built, first-call allocations made
-        run(dtype, 1, DECODE_PROMPT_LEN, 2, point=-1)(0)
-    runs = {f"{dtype} {name}": run(dtype, *shape, point) for point, (name, shape) in enumerate(workloads.items())
-            for dtype in DTYPES}
-    samples = interleaved(runs, args.repetitions)
-    for llm in engines.values():
-        llm.engine.shutdown()
+
+    def tokens_per_second(llm: LLM, count: int, length: int, max_tokens: int, seed: int) -> float:
+        prompts = _prompts(count, length, llm.config.model.vocab_size, seed)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        return (count * length if max_tokens == 1 else sum(len(o.outputs[0].token_ids) for o in outputs)) / seconds
+
+    def measure(dtype: str):
+        def one(repetition: int) -> dict[str, float]:
+            llm = LLM(model, dtype=dtype, max_model_len=args.prompt_len + args.new_tokens)
+            try:
+                for count, length, max_tokens in workloads.values():  # kernels built, buffers sized
+                    tokens_per_second(llm, count, length, min(max_tokens, 4), seed=-1)
+                return {name: tokens_per_second(llm, *shape, seed=1000 * repetition + point)
+                        for point, (name, shape) in enumerate(workloads.items())}
+            finally:
+                llm.engine.shutdown()
+        return one
+
+    runs = interleaved({dtype: measure(dtype) for dtype in DTYPES}, args.repetitions)
+    samples = {f"{dtype} {name}": [run[name] for run in runs[dtype]] for dtype in DTYPES for name in workloads}
 
     rows, decode_points = [], {dtype: [] for dtype in DTYPES}
     for name in workloads:
@@ -85,10 +88,10 @@ def main() -> None:
     unit = "prompt tok/s for prefill, output tok/s for decode"
     table = markdown_table(["workload", f"float32 ({unit}; best / median run)", "bfloat16 (best / median run)",
                             "bfloat16 / float32 (medians)"], rows)
-    body = (f"Model: {model if args.model else 'SmolLM2-135M-Instruct (GGUF, the embedded default)'}, loaded once in "
-            f"each dtype. Prefill: {args.prefill_prompts} prompts of {args.prompt_len} random tokens, one token out. "
+    body = (f"Model: {model if args.model else 'SmolLM2-135M-Instruct (GGUF, the embedded default)'}, loaded in each "
+            f"dtype for every repetition, one engine at a time. Prefill: {args.prefill_prompts} prompts of {args.prompt_len} random tokens, one token out. "
             f"Decode: batches of {DECODE_PROMPT_LEN}-token random prompts, {args.new_tokens} tokens out (EOS "
-            f"ignored). {args.repetitions} runs per dtype and workload, alternating between the engines.\n\n{table}")
+            f"ignored). {args.repetitions} runs per dtype and workload, alternating between the dtypes.\n\n{table}")
     figure = line_figure(report.output_path("decode_throughput.png"),
                          {dtype: points for dtype, points in decode_points.items()},
                          xlabel="decode batch (requests)", ylabel="output tok/s (median run)",
