@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpilot.runtime.cpu_bf16 import check_bfloat16_here
+
 DTYPES = ("float32", "bfloat16", "float16")
 # `auto`: the Triton kernels on CUDA, the C kernel (kernels/cpu/) on a CPU where it builds, else
 # the torch reference.
@@ -425,6 +427,8 @@ class _EngineArgsMethods:
         for s in ENGINE_SETTINGS:
             groups[s.group][s.field_name] = s.check(getattr(self, s.arg))
         model = ModelConfig.from_pretrained(self.model, **groups["model"])
+        if model.dtype == "bfloat16":
+            check_bfloat16_here()
         scheduler = SchedulerConfig(**groups["scheduler"])
         scheduler.max_model_len = scheduler.max_model_len or min(
             model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)

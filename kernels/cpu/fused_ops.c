@@ -78,21 +78,22 @@ int rotary_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t toke
     return 0;
 }
 
-/* Copies row t of k and of v (row_size floats each) into slot slots[t] of the key and value
- * caches [num_slots, row_size] (a layer's [num_blocks, block_size, kv_heads, head_dim] seen flat).
- * Returns 1, touching nothing, if a slot is outside the caches. Several rows may share a slot
- * (padding requests all write slot 0 of the null block): the last one wins. */
-int kv_cache_write_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
-                       float *value_cache, const int64_t *slots, int64_t tokens, int64_t row_size,
-                       int64_t num_slots)
+/* Copies row t of k and of v (row_size elements of element_size bytes each) into slot slots[t] of
+ * the key and value caches [num_slots, row_size] (a layer's [num_blocks, block_size, kv_heads,
+ * head_dim] seen flat); strides are in elements. A copy of bytes, so one function serves every
+ * dtype. Returns 1, touching nothing, if a slot is outside the caches. Several rows may share a
+ * slot (padding requests all write slot 0 of the null block): the last one wins. */
+int kv_cache_write(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *key_cache,
+                   char *value_cache, const int64_t *slots, int64_t tokens, int64_t row_size,
+                   int64_t element_size, int64_t num_slots)
 {
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots)
             return 1;
-    const size_t bytes = (size_t)row_size * sizeof(float);
+    const size_t bytes = (size_t)(row_size * element_size);
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(key_cache + slots[t] * row_size, k + t * k_stride, bytes);
-        memcpy(value_cache + slots[t] * row_size, v + t * v_stride, bytes);
+        memcpy(key_cache + slots[t] * (int64_t)bytes, k + t * k_stride * element_size, bytes);
+        memcpy(value_cache + slots[t] * (int64_t)bytes, v + t * v_stride * element_size, bytes);
     }
     return 0;
 }

@@ -17,6 +17,9 @@ import torch
 
 from kvpilot.kernels.cpu.build import load
 
+# The dtypes a KV cache is written in (the attention kernel reads both).
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @functools.cache
 def _library() -> ctypes.CDLL:
@@ -24,10 +27,10 @@ def _library() -> ctypes.CDLL:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     library.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]
     library.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i32]
-    library.kv_cache_write_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    library.kv_cache_write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     library.argmax_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
     library.rms_norm_f32.restype = library.argmax_f32.restype = None
-    library.rotary_f32.restype = library.kv_cache_write_f32.restype = ctypes.c_int
+    library.rotary_f32.restype = library.kv_cache_write.restype = ctypes.c_int
     return library
 
 
@@ -108,24 +111,26 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
                    slot_mapping: torch.Tensor) -> None:
     """Writes row t of k and v [T, kv_heads, head_dim] (views with contiguous rows, e.g. of the
     fused QKV output) into slot slot_mapping[t] of the caches [num_blocks, block_size, kv_heads,
-    head_dim]: `index_copy_` into the caches seen flat, in one call for both."""
+    head_dim]: `index_copy_` into the caches seen flat, in one call for both. All four share one
+    dtype of KV_CACHE_DTYPES."""
     row_size = k.shape[1] * k.shape[2]
     if not (k.is_cpu and v.is_cpu and key_cache.is_cpu and value_cache.is_cpu and slot_mapping.is_cpu):
         raise ValueError("the C KV cache write takes CPU tensors only")
-    if not (k.dtype == v.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+    if not (k.dtype == v.dtype == key_cache.dtype == value_cache.dtype and k.dtype in KV_CACHE_DTYPES
             and k.shape == v.shape and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and key_cache.shape == value_cache.shape and key_cache.shape[2:] == k.shape[1:]):
-        raise ValueError(f"k and v must be float32 [T, kv_heads, head_dim] views with contiguous rows, and "
-                         f"the caches contiguous [blocks, block_size, kv_heads, head_dim] float32 tensors; got "
-                         f"k {tuple(k.shape)} {k.stride()}, v {tuple(v.shape)} {v.stride()}, caches "
-                         f"{tuple(key_cache.shape)} {key_cache.dtype} and {tuple(value_cache.shape)}")
+        raise ValueError(f"k and v must be [T, kv_heads, head_dim] views with contiguous rows, and the caches "
+                         f"contiguous [blocks, block_size, kv_heads, head_dim] tensors, all float32 or all "
+                         f"bfloat16; got k {tuple(k.shape)} {k.stride()} {k.dtype}, v {tuple(v.shape)} "
+                         f"{v.stride()} {v.dtype}, caches {tuple(key_cache.shape)} {key_cache.dtype} and "
+                         f"{tuple(value_cache.shape)} {value_cache.dtype}")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != k.shape[:1]:
         raise ValueError("slot_mapping must be a contiguous int64 vector, one entry per row of k")
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if _library().kv_cache_write_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), key_cache.data_ptr(),
-                                     value_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row_size,
-                                     num_slots):
+    if _library().kv_cache_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), key_cache.data_ptr(),
+                                 value_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row_size,
+                                 k.element_size(), num_slots):
         raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the caches' slots)")
 
 

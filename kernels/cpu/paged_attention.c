@@ -21,6 +21,11 @@
  * accumulated a whole row of head_dim at a time. The vectors are written with GNU C vector
  * extensions (below); exp2 is a polynomial the compiler vectorises (libm's expf is a scalar
  * call). No -ffast-math: sums keep float32 semantics.
+ *
+ * The same kernel reads bfloat16 tensors (q, the caches and out all bfloat16): each element is
+ * widened to float32 as it is loaded (a bfloat16 is the top half of a float32, so the widening is
+ * an exact shift), everything after the load is the float32 arithmetic above, and out is rounded
+ * to nearest even once at the end, as torch rounds. Half the cache bytes are read per key.
  */
 
 #include <stdint.h>
@@ -63,8 +68,9 @@ static inline float exp2_nonpositive(float x) {
 }
 
 typedef struct {
-    const float *q, *key_cache, *value_cache;
-    float *out;
+    const void *q, *key_cache, *value_cache; /* float32, or bfloat16 (uint16_t) in the bf16 entry */
+    void *out;
+    int64_t element_size;
     int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
     int64_t cache_stride_block, cache_stride_slot, cache_stride_head;
     const int64_t *block_tables, *query_start_loc, *seq_lens;
@@ -98,6 +104,40 @@ static inline vec load(const float *from) {
 
 static inline void store(float *to, vec v) { memcpy(to, &v, sizeof v); }
 
+typedef uint16_t bf16_vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t bits_vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static inline float bf16_to_float(const uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest, ties to even (torch's rounding); a NaN stays a quiet NaN. */
+static inline uint16_t float_to_bf16(const float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* LANES elements of a row from element `at`, as float32. `bf16` is a constant in every caller
+ * once inlined, so each variant compiles to its own straight loads. */
+static inline __attribute__((always_inline)) vec load_row(const void *row, const int64_t at, const int bf16) {
+    if (!bf16) return load((const float *)row + at);
+    bf16_vec halves;
+    memcpy(&halves, (const uint16_t *)row + at, sizeof halves);
+    const bits_vec bits = __builtin_convertvector(halves, bits_vec) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) float row_at(const void *row, const int64_t at, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[at]) : ((const float *)row)[at];
+}
+
 /* The sum of the lanes, by halving: a tree, not a chain of dependent adds, and in registers
  * where the compiler has __builtin_shufflevector (clang, gcc 12+); through memory otherwise. */
 static inline float sum_lanes(vec v) {
@@ -118,14 +158,14 @@ static inline float sum_lanes(vec v) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* query . key over dim floats. */
-static inline __attribute__((always_inline)) float dot(const float *restrict query, const float *restrict key,
-                                                       const int64_t dim) {
+/* query . (key + offset) over dim elements. */
+static inline __attribute__((always_inline)) float dot(const float *restrict query, const void *key,
+                                                       const int64_t offset, const int64_t dim, const int bf16) {
     vec lanes = {0};
     int64_t d = 0;
-    for (; d + LANES <= dim; d += LANES) lanes += load(query + d) * load(key + d);
+    for (; d + LANES <= dim; d += LANES) lanes += load(query + d) * load_row(key, offset + d, bf16);
     float sum = sum_lanes(lanes);
-    for (; d < dim; d++) sum += query[d] * key[d];
+    for (; d < dim; d++) sum += query[d] * row_at(key, offset + d, bf16);
     return sum;
 }
 
@@ -160,17 +200,18 @@ static inline __attribute__((always_inline)) vec sum_lanes_of_each(const vec par
 /* scores[j] = query . (keys[j] + offset) for j < count (<= KEY_CHUNK). Where dim is whole vectors and the
  * compiler can shuffle, LANES keys are scored together: each key's products are summed lane-wise
  * into one vector, and the LANES vectors reduced at once. Slots past count repeat key 0. */
-static inline __attribute__((always_inline)) void score_keys(const float *restrict query, const float *const *keys,
+static inline __attribute__((always_inline)) void score_keys(const float *restrict query, const void *const *keys,
                                                              const int64_t offset, const int64_t count,
-                                                             float *restrict scores, const int64_t dim) {
+                                                             float *restrict scores, const int64_t dim,
+                                                             const int bf16) {
 #ifdef HAVE_SHUFFLE
     if (dim % LANES == 0) {
         for (int64_t j0 = 0; j0 < count; j0 += LANES) {
             vec parts[LANES];
             for (int64_t j = 0; j < LANES; j++) {
-                const float *key = keys[j0 + j < count ? j0 + j : 0] + offset;
-                vec lanes = load(query) * load(key);
-                for (int64_t d = LANES; d < dim; d += LANES) lanes += load(query + d) * load(key + d);
+                const void *key = keys[j0 + j < count ? j0 + j : 0];
+                vec lanes = load(query) * load_row(key, offset, bf16);
+                for (int64_t d = LANES; d < dim; d += LANES) lanes += load(query + d) * load_row(key, offset + d, bf16);
                 parts[j] = lanes;
             }
             store(scores + j0, sum_lanes_of_each(parts));
@@ -178,7 +219,7 @@ static inline __attribute__((always_inline)) void score_keys(const float *restri
         return;
     }
 #endif
-    for (int64_t j = 0; j < count; j++) scores[j] = dot(query, keys[j] + offset, dim);
+    for (int64_t j = 0; j < count; j++) scores[j] = dot(query, keys[j], offset, dim, bf16);
 }
 
 /* Vectors of an accumulator updated at once: independent chains of multiply-adds (one
@@ -189,8 +230,9 @@ static inline __attribute__((always_inline)) void score_keys(const float *restri
  * separate accumulators, for twice the independent chains. */
 static inline __attribute__((always_inline)) void accumulate(float *restrict acc, const float correction,
                                                              const float *restrict weights,
-                                                             const float *const *values, const int64_t offset,
-                                                             const int64_t count, const int64_t dim) {
+                                                             const void *const *values, const int64_t offset,
+                                                             const int64_t count, const int64_t dim,
+                                                             const int bf16) {
     const int64_t vector_dim = dim / LANES * LANES;
     for (int64_t d0 = 0; d0 < vector_dim; d0 += MAX_SLICES * LANES) {
         const int64_t slices = (vector_dim - d0) / LANES < MAX_SLICES ? (vector_dim - d0) / LANES : MAX_SLICES;
@@ -201,19 +243,19 @@ static inline __attribute__((always_inline)) void accumulate(float *restrict acc
         }
         int64_t j = 0;
         for (; j + 1 < count; j += 2) {
-            const float *first = values[j] + offset + d0, *second = values[j + 1] + offset + d0;
             for (int64_t s = 0; s < slices; s++) {
-                even[s] += weights[j] * load(first + s * LANES);
-                odd[s] += weights[j + 1] * load(second + s * LANES);
+                even[s] += weights[j] * load_row(values[j], offset + d0 + s * LANES, bf16);
+                odd[s] += weights[j + 1] * load_row(values[j + 1], offset + d0 + s * LANES, bf16);
             }
         }
         for (; j < count; j++)
-            for (int64_t s = 0; s < slices; s++) even[s] += weights[j] * load(values[j] + offset + d0 + s * LANES);
+            for (int64_t s = 0; s < slices; s++)
+                even[s] += weights[j] * load_row(values[j], offset + d0 + s * LANES, bf16);
         for (int64_t s = 0; s < slices; s++) store(acc + d0 + s * LANES, even[s] + odd[s]);
     }
     for (int64_t d = vector_dim; d < dim; d++) {
         float sum = acc[d] * correction;
-        for (int64_t j = 0; j < count; j++) sum += weights[j] * values[j][offset + d];
+        for (int64_t j = 0; j < count; j++) sum += weights[j] * row_at(values[j], offset + d, bf16);
         acc[d] = sum;
     }
 }
@@ -265,9 +307,9 @@ static inline void prefetch_keys(const Problem *p, const Item *item, const int64
         for (int64_t h = item->kv_head; h < item->kv_head + item->kv_heads; h++) {
             const int64_t offset = table[block] * p->cache_stride_block + slot * p->cache_stride_slot
                                    + h * p->cache_stride_head;
-            for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(float)) {
-                __builtin_prefetch(p->key_cache + offset + d, 0, 2);
-                __builtin_prefetch(p->value_cache + offset + d, 0, 2);
+            for (int64_t d = 0; d < dim; d += 64 / p->element_size) {
+                __builtin_prefetch((const char *)p->key_cache + (offset + d) * p->element_size, 0, 2);
+                __builtin_prefetch((const char *)p->value_cache + (offset + d) * p->element_size, 0, 2);
             }
         }
         if (++slot == p->block_size) slot = 0, block++;
@@ -282,7 +324,7 @@ static inline void prefetch_keys(const Problem *p, const Item *item, const int64
 /* One work item. Inlined into a copy per common head_dim (attend_tile below), so that the loops
  * over head_dim have a constant trip count and unroll into whole vectors. */
 static inline __attribute__((always_inline)) void attend_tile_dim(
-    const Problem *p, Workspace *w, const Item *item, const Item *next, const int64_t dim) {
+    const Problem *p, Workspace *w, const Item *item, const Item *next, const int64_t dim, const int bf16) {
     const int64_t rows = item->rows, key_end = item->key_end;
     const int64_t heads = item->kv_heads * p->group, first_head = item->kv_head * p->group;
     const int64_t q_start = p->query_start_loc[item->req];
@@ -293,9 +335,9 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
     /* Row r is query first_query + r / heads, head first_head + r % heads. */
     for (int64_t r = 0; r < rows; r++) {
         const int64_t head = first_head + r % heads;
-        const float *src = p->q + (q_start + first_query + r / heads) * p->q_stride_token + head * p->q_stride_head;
+        const int64_t src = (q_start + first_query + r / heads) * p->q_stride_token + head * p->q_stride_head;
         for (int64_t d = 0; d < dim; d++) {
-            queries[r * dim + d] = src[d] * p->scale_log2;
+            queries[r * dim + d] = row_at(p->q, src + d, bf16) * p->scale_log2;
             accs[r * dim + d] = 0.0f;
         }
         w->running_max[r] = -1e30f; /* finite: the first update's correction is ~0, times zeros */
@@ -306,7 +348,7 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
 
     const int64_t *table = p->block_tables + item->req * p->block_tables_stride;
     const int transpose = item->kv_heads == 1 && rows >= TRANSPOSE_MIN_ROWS;
-    const float *keys[KEY_CHUNK], *values[KEY_CHUNK];
+    const void *keys[KEY_CHUNK], *values[KEY_CHUNK];
     const int64_t num_chunks = (key_end + KEY_CHUNK - 1) / KEY_CHUNK;
     int64_t block = 0, slot = 0;
     for (int64_t chunk = 0, c = 0; chunk < key_end; chunk += KEY_CHUNK, c++) {
@@ -316,14 +358,15 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
         if (chunk_len > KEY_CHUNK) chunk_len = KEY_CHUNK;
         for (int64_t j = 0; j < chunk_len; j++) {
             const int64_t offset = table[block] * p->cache_stride_block + slot * p->cache_stride_slot;
-            keys[j] = p->key_cache + offset;
-            values[j] = p->value_cache + offset;
+            keys[j] = (const char *)p->key_cache + offset * p->element_size;
+            values[j] = (const char *)p->value_cache + offset * p->element_size;
             if (++slot == p->block_size) slot = 0, block++;
         }
         if (transpose) {
             /* Columns past chunk_len keep older (finite) keys; their scores are never used. */
             for (int64_t j = 0; j < chunk_len; j++)
-                for (int64_t d = 0; d < dim; d++) keys_t[d * KEY_CHUNK + j] = keys[j][w->head_offset[0] + d];
+                for (int64_t d = 0; d < dim; d++)
+                    keys_t[d * KEY_CHUNK + j] = row_at(keys[j], w->head_offset[0] + d, bf16);
             for (int64_t r = 0; r < rows; r += SCORE_ROWS)
                 score_rows(queries + r * dim, keys_t, w->scores + r, rows - r < SCORE_ROWS ? rows - r : SCORE_ROWS, dim);
         }
@@ -333,7 +376,7 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
             if (visible > chunk_len) visible = chunk_len;
             if (visible <= 0) continue;
             float *restrict scores = w->scores[r];
-            if (!transpose) score_keys(queries + r * dim, keys, w->head_offset[r], visible, scores, dim);
+            if (!transpose) score_keys(queries + r * dim, keys, w->head_offset[r], visible, scores, dim, bf16);
             /* Whole vectors over the chunk, the scores past `visible` (stale or unset) masked
              * out: fixed trip counts, and no scalar chains of dependent maxes and adds. */
             float chunk_max = -1e30f;
@@ -353,25 +396,34 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
             const float chunk_sum = sum_lanes(sums);
             w->running_max[r] = new_max;
             w->running_sum[r] = w->running_sum[r] * correction + chunk_sum;
-            accumulate(accs + r * dim, correction, scores, values, w->head_offset[r], visible, dim);
+            accumulate(accs + r * dim, correction, scores, values, w->head_offset[r], visible, dim, bf16);
         }
     }
 
     for (int64_t r = 0; r < rows; r++) {
-        float *dst = p->out + (q_start + first_query + r / heads) * p->out_stride_token
-                     + (first_head + r % heads) * p->out_stride_head;
+        const int64_t dst = (q_start + first_query + r / heads) * p->out_stride_token
+                            + (first_head + r % heads) * p->out_stride_head;
         const float inverse = 1.0f / w->running_sum[r]; /* >= 1: every row sees key 0 */
-        for (int64_t d = 0; d < dim; d++) dst[d] = accs[r * dim + d] * inverse;
+        for (int64_t d = 0; d < dim; d++) {
+            const float value = accs[r * dim + d] * inverse;
+            if (bf16) ((uint16_t *)p->out)[dst + d] = float_to_bf16(value);
+            else ((float *)p->out)[dst + d] = value;
+        }
+    }
+}
+
+static void attend_tile_of(const Problem *p, Workspace *w, const Item *item, const Item *next, const int bf16) {
+    switch (p->head_dim) {
+    case 32: attend_tile_dim(p, w, item, next, 32, bf16); break;
+    case 64: attend_tile_dim(p, w, item, next, 64, bf16); break;
+    case 128: attend_tile_dim(p, w, item, next, 128, bf16); break;
+    default: attend_tile_dim(p, w, item, next, p->head_dim, bf16);
     }
 }
 
 static void attend_tile(const Problem *p, Workspace *w, const Item *item, const Item *next) {
-    switch (p->head_dim) {
-    case 32: attend_tile_dim(p, w, item, next, 32); break;
-    case 64: attend_tile_dim(p, w, item, next, 64); break;
-    case 128: attend_tile_dim(p, w, item, next, 128); break;
-    default: attend_tile_dim(p, w, item, next, p->head_dim);
-    }
+    if (p->element_size == sizeof(uint16_t)) attend_tile_of(p, w, item, next, 1);
+    else attend_tile_of(p, w, item, next, 0);
 }
 
 /* The work items of request req, written to items unless it is NULL; returns their number. A
@@ -394,12 +446,13 @@ static int64_t plan_request(const Problem *p, const int64_t req, Item *items) {
     return count;
 }
 
-/* out[T, heads, dim] = attention of q[T, heads, dim] over the paged caches; every float32 and
- * head_dim contiguous. Returns OK, or an error code (nothing written). */
-int paged_attention_f32(
-    float *out, int64_t out_stride_token, int64_t out_stride_head,
-    const float *q, int64_t q_stride_token, int64_t q_stride_head,
-    const float *key_cache, const float *value_cache,
+/* out[T, heads, dim] = attention of q[T, heads, dim] over the paged caches; all of them of one
+ * element type (element_size bytes: float32 or bfloat16) and head_dim contiguous. Returns OK, or
+ * an error code (nothing written). */
+static int paged_attention(
+    int64_t element_size, void *out, int64_t out_stride_token, int64_t out_stride_head,
+    const void *q, int64_t q_stride_token, int64_t q_stride_head,
+    const void *key_cache, const void *value_cache,
     int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head,
     const int64_t *block_tables, int64_t block_tables_stride,
     const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
@@ -412,7 +465,7 @@ int paged_attention_f32(
     int64_t max_rows = ROW_FLOATS / head_dim;
     if (max_rows > MAX_ROWS) max_rows = MAX_ROWS;
     Problem p = {
-        .q = q, .key_cache = key_cache, .value_cache = value_cache, .out = out,
+        .q = q, .key_cache = key_cache, .value_cache = value_cache, .out = out, .element_size = element_size,
         .q_stride_token = q_stride_token, .q_stride_head = q_stride_head,
         .out_stride_token = out_stride_token, .out_stride_head = out_stride_head,
         .cache_stride_block = cache_stride_block, .cache_stride_slot = cache_stride_slot,
@@ -471,3 +524,22 @@ int paged_attention_f32(
     free(items);
     return status;
 }
+
+#define PAGED_ATTENTION_ENTRY(name, element)                                                            \
+    int name(element *out, int64_t out_stride_token, int64_t out_stride_head, const element *q,         \
+             int64_t q_stride_token, int64_t q_stride_head, const element *key_cache,                   \
+             const element *value_cache, int64_t cache_stride_block, int64_t cache_stride_slot,          \
+             int64_t cache_stride_head, const int64_t *block_tables, int64_t block_tables_stride,       \
+             const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,                \
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, \
+             int num_threads) {                                                                         \
+        return paged_attention(sizeof(element), out, out_stride_token, out_stride_head, q,              \
+                               q_stride_token, q_stride_head, key_cache, value_cache,                   \
+                               cache_stride_block, cache_stride_slot, cache_stride_head, block_tables,  \
+                               block_tables_stride, query_start_loc, seq_lens, num_reqs, num_heads,     \
+                               num_kv_heads, head_dim, block_size, scale, num_threads);                 \
+    }
+
+/* The entry points: float32 tensors, and bfloat16 ones (as uint16_t, their bits). */
+PAGED_ATTENTION_ENTRY(paged_attention_f32, float)
+PAGED_ATTENTION_ENTRY(paged_attention_bf16, uint16_t)

@@ -2,7 +2,8 @@
 
 One call attends a whole packed step (decodes and prefill chunks) straight out of the paged
 cache. The tensors are passed as pointers with their strides, so q and out may be views (q is
-a slice of the fused QKV projection); only head_dim must be contiguous.
+a slice of the fused QKV projection); only head_dim must be contiguous. q, the caches and out share
+one dtype: float32, or bfloat16 (widened to float32 as it is loaded, accumulated in float32).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import torch
 
 from kvpilot.kernels.cpu.build import load
 
-DTYPES = (torch.float32,)
+# Each dtype's entry point in paged_attention.c.
+ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+DTYPES = tuple(ENTRY_POINTS)
 _ERRORS = {1: "the query heads do not group onto the KV heads (or over 64 share one)",
            2: "head_dim is too large for the kernel's row buffer", 3: "out of memory"}
 
 
-def bind(library: ctypes.CDLL):
-    """The kernel's entry point in a library built from paged_attention.c, typed for ctypes."""
-    function = library.paged_attention_f32
+def bind(library: ctypes.CDLL, dtype: torch.dtype = torch.float32):
+    """The kernel's entry point for dtype in a library built from paged_attention.c, typed for ctypes."""
+    function = getattr(library, ENTRY_POINTS[dtype])
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
                          i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -30,13 +33,13 @@ def bind(library: ctypes.CDLL):
 
 
 @functools.cache
-def _kernel():
-    return bind(load("paged_attention"))
+def _kernel(dtype: torch.dtype):
+    return bind(load("paged_attention"), dtype)
 
 
 def build() -> None:
     """Compiles (or finds in the cache) and loads the kernel now; raises KernelBuildError."""
-    _kernel()
+    _kernel(torch.float32)
 
 
 def paged_attention(
@@ -52,7 +55,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; key/value_cache: [num_blocks, block_size, kv_heads, head_dim];
     block_tables, query_start_loc, seq_lens: int64 CPU tensors, as in kernels/paged_attention.py.
-    kernel: a `bind()`-ed entry point to call instead of this source's (a benchmark's baseline)."""
+    kernel: a `bind()`-ed entry point (for q's dtype) to call instead of this source's (a
+    benchmark's baseline)."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -69,7 +73,7 @@ def paged_attention(
             and query_start_loc.shape == (num_reqs + 1,) and block_tables.dim() == 2
             and block_tables.shape[0] >= num_reqs):
         _refuse(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
-    status = (kernel or _kernel())(
+    status = (kernel or _kernel(q.dtype))(
         out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
         block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),

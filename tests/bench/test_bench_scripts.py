@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.runtime.cpu_bf16 import bfloat16_unsupported, cpu_flags
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 RESULTS = BENCH / "results"
 TINY_ARGS = {
@@ -25,6 +27,8 @@ TINY_ARGS = {
     "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1",
                              "--baseline", "HEAD", "--cold"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
+    "bf16_vs_f32.py": ["--prompt-len", "8", "--prefill-prompts", "1", "--batch-sizes", "1,2", "--new-tokens", "2",
+                       "--repetitions", "1"],
     # Calibration and the real server both run; the accuracy needs the full run (BENCHMARKS.md).
     "sim_validation.py": ["--short"],
     # Against HEAD, which any checkout has (the default baseline is a fixed older commit).
@@ -53,8 +57,8 @@ TINY_ARGS = {
 MODEL_FREE = {"kernels.py", "quant_matmul.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
 # temporary folder, so that it never overwrites the committed results.
-WRITES_REPORT = {"concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py", "serving_sweep.py",
-                 "router_overhead.py", "router_prefix_ttft.py", "quant_matmul.py"}
+WRITES_REPORT = {"bf16_vs_f32.py", "concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py",
+                 "serving_sweep.py", "router_overhead.py", "router_prefix_ttft.py", "quant_matmul.py"}
 
 
 def test_every_script_has_a_tiny_mode():
@@ -67,6 +71,8 @@ def _committed_results() -> dict[Path, int]:
 
 @pytest.mark.parametrize("script", sorted(TINY_ARGS))
 def test_the_script_runs_and_prints_its_table(script, tiny_llama_dir, tmp_path):
+    if script == "bf16_vs_f32.py" and bfloat16_unsupported(cpu_flags()):
+        pytest.skip("this CPU has no BF16 instructions: --dtype bfloat16 is refused here")
     model = [] if script in MODEL_FREE else ["--model", str(tiny_llama_dir)]
     output = ["--output-dir", str(tmp_path)] if script in WRITES_REPORT else []
     before = _committed_results()

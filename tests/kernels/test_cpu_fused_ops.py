@@ -129,13 +129,14 @@ def test_argmax_is_torch_argmax_with_ties_nans_and_infinities(vocab):
         assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
 
 
-def test_kv_cache_write_is_index_copy_on_the_flat_caches():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_is_index_copy_on_the_flat_caches(dtype):
     kv_heads, head_dim, tokens, block_size = 2, 8, 5, 4
     gen = _gen(3)
-    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, generator=gen)
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-    caches = torch.randn(2, 6, block_size, kv_heads, head_dim, generator=gen)
+    caches = torch.randn(2, 6, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     # Two rows share slot 0 (as padding requests do): the last one wins, as in index_copy_.
     slots = torch.tensor([9, 0, 23, 4, 0])
     expected = caches.clone()
@@ -150,6 +151,8 @@ def test_kv_cache_write_is_index_copy_on_the_flat_caches():
         fused_ops.kv_cache_write(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 24, 3]))
     with pytest.raises(ValueError, match="contiguous int64"):
         fused_ops.kv_cache_write(k, v, caches[0], caches[1], slots.int())
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
         fused_ops.kv_cache_write(k.double(), v.double(), caches[0], caches[1], slots)
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        fused_ops.kv_cache_write(k.half(), v.half(), caches[0].half(), caches[1].half(), slots)
     assert torch.equal(caches, before)

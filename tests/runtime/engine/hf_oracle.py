@@ -18,8 +18,8 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int, prefix: list[
 class HFOracle:
     """Greedy continuations and raw logits from transformers, memoised per prompt."""
 
-    def __init__(self, model_dir: str, **load_kwargs) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, **load_kwargs) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load_kwargs).eval()
         self._cache: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
 
     def greedy(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -54,8 +54,9 @@ def test_an_explicit_cpu_backend_that_cannot_build_is_an_error(no_compiler):
 def test_the_cpu_backend_refuses_other_devices_and_dtypes(caplog):
     with pytest.raises(ValueError, match="runs on a CPU device only"):
         resolve_attention_backend("cpu", "cuda")
-    with pytest.raises(ValueError, match="supports float32, the model runs torch.bfloat16"):
-        resolve_attention_backend("cpu", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="supports float32, bfloat16, the model runs torch.float16"):
+        resolve_attention_backend("cpu", "cpu", torch.float16)
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "cpu"
     with caplog.at_level(logging.WARNING, logger="kvpilot.runtime.layers.attention"):
         assert resolve_attention_backend("auto", "cpu", torch.float16) == "torch"
     assert "float16" in caplog.text
