@@ -85,11 +85,11 @@ def section_of(text: str, name: str) -> str | None:
     return headings[-1] if headings else None
 
 
-def headline_table(text: str) -> str:
-    """One row per report: its headline (a claim, its ratio and its peer), its date, and a link to
-    the section of `text` that quotes it."""
+def headline_table(text: str, results: dict[str, dict]) -> str:
+    """One row per result (by its report's path): its headline (a claim, its ratio and its peer),
+    its date, and a link to the section of `text` that quotes the report."""
     rows = []
-    for name, result in _results().items():
+    for name, result in results.items():
         heading = section_of(text, name)
         where = f"[{heading}](#{anchor(heading)})" if heading else name
         rows.append(f"| {result['headline']} | {result['date']} | {where} |")
@@ -108,7 +108,7 @@ def headlines() -> str:
 def spliced_documents() -> dict[Path, str]:
     """BENCHMARKS.md and README.md as they should read for the reports on disk."""
     benchmarks = BENCHMARKS.read_text()
-    return {BENCHMARKS: splice(benchmarks, {**reports(), HEADLINE_TABLE: headline_table(benchmarks)}),
+    return {BENCHMARKS: splice(benchmarks, {**reports(), HEADLINE_TABLE: headline_table(benchmarks, _results())}),
             README: splice(README.read_text(), {HEADLINES: headlines()})}
 
 
