@@ -12,10 +12,13 @@ A new benchmark gets its section so:
    the peer it was measured against), and tests/bench/test_bench_scripts.py lists it with a tiny
    mode in TINY_ARGS and in WRITES_REPORT;
 2. run it once, then add to BENCHMARKS.md, under the part it belongs to (Engine, Serving, Fleet,
-   Operator and simulator), a `### ` heading, a sentence on what it measures, and the two empty
-   markers `_markers("bench/results/NAME/report.md")` prints;
+   Operator and simulator), a `### ` heading, a sentence on what it measures, and the two markers
+   `_markers("bench/results/NAME/report.md")` with nothing between them (a neighbour's, renamed);
 3. `scripts/run_benchmarks.py --splice-only` fills the markers, the headline table and the README.
 The tests fail while a committed report is not quoted, or a document differs from the reports.
+A section whose numbers cannot come from a report (a command of `kvpilot simulate`, a script that
+only prints) is written by hand in the same shape: what it measures, `Command: ...`, the date, the
+machine and its load, the table, and a row in the headline table kept by hand below the generated one.
 
     .venv/bin/python scripts/run_benchmarks.py [NAME ...]   # some scripts only (bench/NAME.py)
     .venv/bin/python scripts/run_benchmarks.py --splice-only
