@@ -32,7 +32,7 @@ soak: venv
 	$(PY) tests/runtime/server/soak.py --requests 2000 --concurrency 64
 
 # Every script in bench/, one after the other; those that write a report (bench/results/NAME/) are
-# then spliced into BENCHMARKS.md and the README's headlines. `make bench BENCH="prefix_caching_ttft"`
+# then spliced into their BENCHMARKS.md section, its headline table and the README's headlines. `make bench BENCH="prefix_caching_ttft"`
 # runs only those scripts.
 bench: venv
 	$(PY) scripts/run_benchmarks.py $(BENCH)

@@ -2,9 +2,23 @@
 
 A script that writes a report (bench/results/NAME/report.md, see kvpilot.runtime.benchmarks.report)
 is quoted between `<!-- begin bench/results/NAME/report.md -->` and `<!-- end ... -->` in
-BENCHMARKS.md, and its one-line headline goes into README.md's headline block; everything outside
-the markers is left alone. Scripts that only print (their owners keep their tables by hand) run
-all the same, so that none can rot.
+BENCHMARKS.md; its one-line headline becomes a row of BENCHMARKS.md's headline table (linked to the
+section that quotes the report) and a line of README.md's headline block. Everything outside the
+markers is left alone. Scripts that only print run all the same, so that none can rot; their
+sections keep their tables by hand, with the command and the date of the run they quote.
+
+A new benchmark gets its section so:
+1. bench/NAME.py writes its report through `BenchReport` (its headline: the claim, the ratio and
+   the peer it was measured against), and tests/bench/test_bench_scripts.py lists it with a tiny
+   mode in TINY_ARGS and in WRITES_REPORT;
+2. run it once, then add to BENCHMARKS.md, under the part it belongs to (Engine, Serving, Fleet,
+   Operator and simulator), a `### ` heading, a sentence on what it measures, and the two markers
+   `_markers("bench/results/NAME/report.md")` with nothing between them (a neighbour's, renamed);
+3. `scripts/run_benchmarks.py --splice-only` fills the markers, the headline table and the README.
+The tests fail while a committed report is not quoted, or a document differs from the reports.
+A section whose numbers cannot come from a report (a command of `kvpilot simulate`, a script that
+only prints) is written by hand in the same shape: what it measures, `Command: ...`, the date, the
+machine and its load, the table, and a row in the headline table kept by hand below the generated one.
 
     .venv/bin/python scripts/run_benchmarks.py [NAME ...]   # some scripts only (bench/NAME.py)
     .venv/bin/python scripts/run_benchmarks.py --splice-only
@@ -14,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +40,7 @@ RESULTS = BENCH / "results"
 BENCHMARKS = REPO / "BENCHMARKS.md"
 README = REPO / "README.md"
 HEADLINES = "bench/results/headlines"
+HEADLINE_TABLE = "bench/results/headline-table"
 
 
 def _markers(name: str) -> tuple[str, str]:
@@ -52,11 +68,41 @@ def reports() -> dict[str, str]:
     return {path.relative_to(REPO).as_posix(): path.read_text() for path in sorted(RESULTS.glob("*/report.md"))}
 
 
+def _results() -> dict[str, dict]:
+    """Every committed result.json, by the path of its report from the repository root."""
+    return {path.with_name("report.md").relative_to(REPO).as_posix(): json.loads(path.read_text())
+            for path in sorted(RESULTS.glob("*/result.json"))}
+
+
+def anchor(heading: str) -> str:
+    """The fragment GitHub gives a markdown heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def section_of(text: str, name: str) -> str | None:
+    """The heading of the section of `text` that quotes report `name`; None where none does."""
+    begin = text.find(_markers(name)[0])
+    if begin < 0:
+        return None
+    headings = re.findall(r"^#{2,4} (.+)$", text[:begin], flags=re.MULTILINE)
+    return headings[-1] if headings else None
+
+
+def headline_table(text: str, results: dict[str, dict]) -> str:
+    """One row per result (by its report's path): its headline (a claim, its ratio and its peer),
+    its date, and a link to the section of `text` that quotes the report."""
+    rows = []
+    for name, result in results.items():
+        heading = section_of(text, name)
+        where = f"[{heading}](#{anchor(heading)})" if heading else name
+        rows.append(f"| {result['headline']} | {result['date']} | {where} |")
+    return "\n".join(["| claim (ratio against its peer) | measured | section |", "|---|---|---|", *rows])
+
+
 def headlines() -> str:
     """One line per report: its headline, its date, and links to its figures."""
     lines = []
-    for path in sorted(RESULTS.glob("*/result.json")):
-        result = json.loads(path.read_text())
+    for result in _results().values():
         plots = ", ".join(f"[{Path(link).stem}]({link})" for link in result["figures"])
         lines.append(f"- {result['headline']} ({result['date']}; plots: {plots}).")
     return "\n".join(lines)
@@ -64,7 +110,8 @@ def headlines() -> str:
 
 def spliced_documents() -> dict[Path, str]:
     """BENCHMARKS.md and README.md as they should read for the reports on disk."""
-    return {BENCHMARKS: splice(BENCHMARKS.read_text(), reports()),
+    benchmarks = BENCHMARKS.read_text()
+    return {BENCHMARKS: splice(benchmarks, {**reports(), HEADLINE_TABLE: headline_table(benchmarks, _results())}),
             README: splice(README.read_text(), {HEADLINES: headlines()})}
 
 
