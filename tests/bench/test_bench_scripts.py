@@ -50,6 +50,9 @@ TINY_ARGS = {
     "kv_events_cost.py": ["--num-prompts", "4", "--new-tokens", "2", "--max-num-seqs", "2", "--repeats", "1"],
     "router_overhead.py": ["--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--max-concurrency", "2",
                            "--repetitions", "1", "--idle-window", "0.1"],
+    # No llama-server binary here: the peer is a second kvpilot server (the report names it so).
+    "llama_cpp_side_by_side.py": ["--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                                  "--concurrencies", "1,2", "--threads", "1"],
     "router_prefix_ttft.py": ["--conversations", "2", "--turns", "2", "--words-first-turn", "20",
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
                               "--repetitions", "1"],
@@ -58,7 +61,8 @@ MODEL_FREE = {"kernels.py", "quant_matmul.py", "scheduler_overhead.py", "attenti
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
 # temporary folder, so that it never overwrites the committed results.
 WRITES_REPORT = {"bf16_vs_f32.py", "concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py",
-                 "serving_sweep.py", "router_overhead.py", "router_prefix_ttft.py", "quant_matmul.py"}
+                 "serving_sweep.py", "router_overhead.py", "router_prefix_ttft.py", "quant_matmul.py",
+                 "llama_cpp_side_by_side.py"}
 
 
 def test_every_script_has_a_tiny_mode():

@@ -1,0 +1,118 @@
+"""kvpilot against llama.cpp's `llama-server` on the same GGUF file, driven by the same client.
+
+`kvpilot serve FILE` and `llama-server -m FILE` (the same thread count, `--parallel` slots with
+room for every prompt and its output) run one after the other; `kvpilot bench serve`'s client
+sends each the same random-token completions with `ignore_eos`, at every concurrency asked for.
+Each run must have generated exactly the token counts asked for, or the script stops: a server
+that ends early would otherwise look fast.
+
+    .venv/bin/python bench/llama_cpp_side_by_side.py [--model FILE] [--llama-server BIN]
+
+Without a `llama-server` binary the peer is a second `kvpilot serve` on the same file, named as
+such in the report: the script's own logic still runs end to end, and no llama.cpp number is
+claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvpilot.runtime.argtypes import positive_int
+from kvpilot.runtime.benchmarks.datasets import random_dataset
+from kvpilot.runtime.benchmarks.local_server import STARTUP_TIMEOUT_S, _free_port, _wait_healthy, local_server
+from kvpilot.runtime.benchmarks.plot import line_figure
+from kvpilot.runtime.benchmarks.report import BenchReport, markdown_table
+from kvpilot.runtime.benchmarks.serve import PER_REQUEST_FIELDS, ServeBenchConfig, benchmark_result
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median ms"),
+           ("median_itl_ms", "ITL median ms"))
+
+
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int) -> Iterator[str]:
+    """`llama-server` on a free port; yields its base URL once /health answers 200."""
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix="llama-server-logs-")) / f"llama-server-{port}.log"
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+             "--parallel", str(slots), "-c", str(slots * context_per_slot)],
+            stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy("llama-server", server, f"http://127.0.0.1:{port}", log, time.monotonic() + STARTUP_TIMEOUT_S)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def measure(base_url: str, model: str, concurrency: int, args: argparse.Namespace) -> dict:
+    config = ServeBenchConfig(base_url=base_url, model=model, ignore_eos=True, max_concurrency=concurrency)
+    requests = random_dataset(args.num_prompts, args.input_len, args.output_len, seed=0)
+    result = benchmark_result(config, requests, {}, progress=False)
+    expected = args.num_prompts * args.output_len
+    if result["failed"] or result["total_output_tokens"] != expected:
+        raise SystemExit(f"{base_url} at concurrency {concurrency}: {result['failed']} failed, "
+                         f"{result['total_output_tokens']} tokens out of {expected} asked for")
+    return {k: v for k, v in result.items() if k not in PER_REQUEST_FIELDS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--llama-server", type=Path, help="llama-server binary (default: a kvpilot stand-in peer)")
+    parser.add_argument("--num-prompts", type=positive_int, default=64)
+    parser.add_argument("--input-len", type=positive_int, default=128, help="random words per prompt")
+    parser.add_argument("--output-len", type=positive_int, default=128)
+    parser.add_argument("--concurrencies", default="1,16")
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "bench/results/llama_cpp_side_by_side")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrencies.split(",")]
+    if args.model is None:
+        from kvpilot.runtime.models.default_model import ensure_default_model
+        args.model = ensure_default_model()
+    report = BenchReport(__file__, args.output_dir, args.threads, ROOT)
+    peer_name = "llama.cpp" if args.llama_server else "kvpilot (stand-in peer)"
+
+    results: dict[str, dict[int, dict]] = {}
+    with local_server(str(args.model), "--served-model-name", "bench",
+                      env={"OMP_NUM_THREADS": str(args.threads)}) as url:
+        results["kvpilot"] = {c: measure(url, "bench", c, args) for c in concurrencies}
+    if args.llama_server:
+        peer = llama_server(args.llama_server, args.model, args.threads, max(concurrencies),
+                            args.input_len * 2 + args.output_len)
+    else:
+        peer = local_server(str(args.model), "--served-model-name", "bench",
+                            env={"OMP_NUM_THREADS": str(args.threads)})
+    with peer as url:
+        results[peer_name] = {c: measure(url, "bench", c, args) for c in concurrencies}
+
+    rows = []
+    for c in concurrencies:
+        ours, theirs = results["kvpilot"][c], results[peer_name][c]
+        rows.append([str(c), *(f"{ours[k]:.1f} / {theirs[k]:.1f} = {ours[k] / theirs[k]:.2f}x" for k, _ in METRICS)])
+    table = markdown_table(["concurrency", *(f"{label}, kvpilot / {peer_name}" for _, label in METRICS)], rows)
+    body = (f"File: {args.model}. {args.num_prompts} completions per run ({args.input_len} random words in, "
+            f"{args.output_len} out with ignore_eos), {args.threads} threads per server, one server at a time."
+            f"\n\n{table}")
+    first = concurrencies[0]
+    headline = (f"kvpilot / {peer_name} output tok/s at concurrency {first}: "
+                f"{results['kvpilot'][first]['output_throughput'] / results[peer_name][first]['output_throughput']:.2f}x")
+    figure = line_figure(report.output_path("output_throughput.png"),
+                         {name: [(c, runs[c]["output_throughput"]) for c in concurrencies]
+                          for name, runs in results.items()},
+                         xlabel="concurrency", ylabel="output tok/s", title=f"kvpilot and {peer_name}, same file")
+    report.write(body, [figure], {"results": {name: {str(c): r for c, r in runs.items()} for name, runs in results.items()}},
+                 headline)
+
+
+if __name__ == "__main__":
+    main()
