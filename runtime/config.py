@@ -339,10 +339,47 @@ class SchedulerConfig:
         minimum=1, metavar="N")
 
 
+# Where the other hosts of a multi-host engine join host 0 (torch.distributed's usual port).
+DEFAULT_MASTER_PORT = 29500
+
+
 @dataclass
 class ParallelConfig:
+    """How the model is split over ranks: tensor_parallel_size ranks in each of pipeline_parallel_size
+    stages, spread evenly over nnodes hosts. Host 0 runs the API server and the EngineCore."""
+
     tensor_parallel_size: int = setting(
         1, "tensor-parallel ranks: worker processes, one GPU each on CUDA", minimum=1, metavar="N")
+    pipeline_parallel_size: int = setting(
+        1, "pipeline stages: the model's layers split into this many consecutive groups, each run by its own "
+        "tensor-parallel ranks", minimum=1, metavar="N")
+    nnodes: int = setting(
+        1, "hosts the ranks are spread over, tensor_parallel_size * pipeline_parallel_size / nnodes on each",
+        minimum=1, metavar="N")
+    node_rank: int = setting(
+        0, "this host's index among --nnodes: 0 runs the API server and the EngineCore, the others run "
+        "--headless", minimum=0, metavar="N")
+    master_addr: str = setting(
+        "127.0.0.1", "address of host 0, where the other hosts join", metavar="HOST")
+    master_port: int = setting(
+        DEFAULT_MASTER_PORT, "TCP port on host 0 where the other hosts join", minimum=1, maximum=65535,
+        metavar="PORT")
+    headless: bool = setting(
+        False, "run this host's ranks and no API server (every host of a multi-host engine but node 0)")
+    distributed_timeout: float = setting(
+        60.0, "seconds a rank waits for the others, to join at start or to answer a step, before the engine "
+        "fails naming the missing rank and host", above=0.0, metavar="SECONDS")
+
+
+@dataclass
+class LoRAConfig:
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders) on top of the base model")
+    max_loras: int = setting(1, "most distinct adapters in one batch (adapter slots on the device)",
+                             minimum=1, metavar="N")
+    max_lora_rank: int = setting(16, "largest adapter rank accepted", minimum=1, metavar="N")
+    max_cpu_loras: int | None = setting(
+        None, "most adapters kept loaded in host memory, least recently used evicted first (default: --max-loras)",
+        minimum=1, metavar="N")
 
 
 @dataclass
@@ -353,10 +390,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 # EngineConfig's attribute -> the config class whose setting fields it holds.
-_GROUPS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_GROUPS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+           "lora": LoRAConfig}
 
 
 @dataclass(frozen=True)
@@ -441,8 +480,12 @@ class _EngineArgsMethods:
                  "attends over the whole context, which is the window's attention only within the window")
         parallel = ParallelConfig(**groups["parallel"])
         _check_tensor_parallel(model, parallel.tensor_parallel_size)
+        _check_layout(parallel)
+        lora = LoRAConfig(**groups["lora"])
+        _require(not lora.enable_lora, "enable_lora", "is not supported yet: LoRA adapters are not wired into the "
+                 "engine")
         return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]), scheduler=scheduler,
-                            parallel=parallel)
+                            parallel=parallel, lora=lora)
 
 
 EngineArgs = dataclasses.make_dataclass(
@@ -467,6 +510,19 @@ def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
 
         problem = open_gguf(model.path).row_parallel_split_problem(size)
         _require(problem is None, "tensor_parallel_size", problem or "")
+
+
+def _check_layout(parallel: ParallelConfig) -> None:
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    _require(ranks % parallel.nnodes == 0, "nnodes",
+             f"{parallel.nnodes} does not divide the {ranks} ranks (tensor_parallel_size * pipeline_parallel_size)")
+    _require(parallel.node_rank < parallel.nnodes, "node_rank",
+             f"{parallel.node_rank} is not below nnodes ({parallel.nnodes})")
+    _require(parallel.headless == (parallel.node_rank > 0), "headless",
+             "is for every host but node 0, which runs the API server" if parallel.headless
+             else f"is needed on node {parallel.node_rank}: only node 0 runs the API server")
+    _require(parallel.pipeline_parallel_size == 1, "pipeline_parallel_size", "above 1 is not supported yet")
+    _require(parallel.nnodes == 1, "nnodes", "above 1 is not supported yet")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

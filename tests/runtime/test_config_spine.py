@@ -14,13 +14,14 @@ from kvpilot.runtime.config import (
     CacheConfig,
     EngineArgs,
     KVEventsConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
 )
 
-CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -79,6 +80,12 @@ def test_serve_flags_become_the_same_engine_args_as_the_keywords(monkeypatch, ti
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization must be greater than 0.0, got 0"),
     ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be a non-negative integer, got -1"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority, got 'lifo'"),
+    ({"tensor_parallel_size": 2, "nnodes": 3}, "nnodes 3 does not divide the 2 ranks (tensor_parallel_size * "
+                                               "pipeline_parallel_size)"),
+    ({"nnodes": 1, "node_rank": 1, "headless": True}, "node_rank 1 is not below nnodes (1)"),
+    ({"headless": True}, "headless is for every host but node 0, which runs the API server"),
+    ({"master_port": 70000}, "master_port must be at most 65535, got 70000"),
+    ({"max_lora_rank": 0}, "max_lora_rank must be a positive integer, got 0"),
 ])
 def test_a_bad_value_is_named_by_its_setting(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError) as err:
