@@ -38,6 +38,9 @@ def _tenant(name: str) -> dict[str, str]:
 
 ADMIN = _auth(ADMIN_TOKEN)
 SMALL = {"prompt": "A cache keeps", "max_tokens": 2, "ignore_eos": True}
+# Long enough that one answer reaches the client well before the next, which starts only when it
+# ends, can: two answers a step apart arrive in either order on a busy machine.
+QUEUED = {**SMALL, "max_tokens": 16}
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +142,9 @@ async def _start_order(base_url: str, queued: list[tuple[dict, dict]], before_re
             pytest.fail(f"never saw {count} request(s) waiting")
 
         async def run(index: int, headers: dict, extra: dict) -> None:
-            response = await client.post("/v1/completions", json={**SMALL, **extra}, headers=headers)
+            response = await client.post("/v1/completions", json={**QUEUED, **extra}, headers=headers)
             assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == SMALL["max_tokens"]
+            assert response.json()["usage"]["completion_tokens"] == QUEUED["max_tokens"]
             finished.append(index)
 
         blocker = {"prompt": "blocker", "max_tokens": 2000, "ignore_eos": True, "stream": True}
