@@ -54,7 +54,7 @@ class Elector:
         return self._renewed_at
 
     async def acquire(self) -> None:
-        """Try every retry period (jittered, as client-go does) until this operator holds the Lease."""
+        """Try until this operator holds the Lease: every retry period, and as the holder's lease ends."""
         announced = ""
         while True:
             sent = self._clock()
@@ -71,7 +71,14 @@ class Elector:
             if holder and holder != announced:
                 logger.info(f"Lease {self._namespace}/{self._name} is held by {holder}: standing by")
                 announced = holder
-            await asyncio.sleep(self._settings.retry_period * random.uniform(1, leader_election.JITTER_FACTOR))
+            await asyncio.sleep(self._until_next_try())
+
+    def _until_next_try(self) -> float:
+        """A retry period (jittered, as client-go does), or less where the holder's lease runs out
+        sooner: a standby that polled just before the holder died takes over as the lease ends."""
+        retry = self._settings.retry_period * random.uniform(1, leader_election.JITTER_FACTOR)
+        left = self._observed.expires_at - self._clock() if self._observed is not None else 0.0
+        return min(retry, left) if left > 0 else retry
 
     async def hold(self) -> None:
         """Renew until the Lease is lost; see the module's docstring."""
@@ -116,8 +123,10 @@ class Elector:
 
     async def _try(self, timeout: float) -> bool:
         """One read and, where this operator may, one write of the Lease: whether it holds it now."""
+        sent = self._clock()
         lease = await self._client.get_once(self._url, timeout=timeout)
-        self._observed = Observation.of(lease, self._observed, self._clock())
+        self._observed = Observation.of(lease, self._observed, sent=sent, received=self._clock(),
+                                        settings=self._settings)
         if not leader_election.may_take(lease, self._observed, self.identity, self._clock()):
             return False
         claim = leader_election.claimed(lease, name=self._name, namespace=self._namespace, identity=self.identity,

@@ -2,21 +2,27 @@
 controller-runtime) does it. Pure: the Lease goes in as the API server served it, the clocks are
 parameters, and what to write comes out; leader.py makes the calls.
 
-Invariants (with `LeaseSettings.problems()` empty):
+Invariants (with `LeaseSettings.problems()` empty, and every replica on the same settings):
 - A candidate writes itself into a Lease only where the Lease names no holder, names it already,
-  or has not changed for a whole lease duration by the candidate's own clock (`Observation`):
-  another operator's clock is never compared with ours, so clock skew cannot shorten a lease.
+  or has run out on the candidate's own clock, counted from when it saw the record change
+  (`Observation`): another operator's clock is never compared with ours, so clock skew cannot
+  shorten a lease.
 - Every write carries the resourceVersion read before it, so of two candidates that saw the same
   expired Lease, the API server lets one write (the other gets 409 Conflict and stays standby).
 - The holder stops acting `renew_deadline` after the last renewal it sent successfully (by its
-  monotonic clock, counted from before the request left). Any other candidate saw that renewal no
-  earlier than it was sent and waits `lease_duration` > `renew_deadline` from then: the old
+  monotonic clock, counted from before the request left). A candidate lets a record it saw change
+  expire no sooner than `renew_deadline` after the read that showed the change returned: the old
   holder has stopped before anyone else may start, so two operators never write at once.
+- Within that margin, the count starts at the candidate's previous read, the earliest moment the
+  change can have landed: a standby that wakes when the count ends takes over within one lease
+  duration of the holder's last renewal, not a polling period later.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,18 +66,31 @@ class LeaderElection:
 
 @dataclass(frozen=True)
 class Observation:
-    """A Lease's record as a candidate last saw it, and when (its monotonic clock) it first saw
-    that record: the lease runs from then, whatever the holder's clock says."""
+    """A Lease's record as a candidate last saw it. `since`: when (its monotonic clock) the record
+    counts as written, whatever the holder's clock says; `checked`: when it sent the last read
+    that returned the record."""
 
     record: tuple[Any, ...]
     since: float
+    checked: float
 
     @classmethod
-    def of(cls, lease: Mapping[str, Any] | None, previous: Observation | None, now: float) -> Observation:
+    def of(cls, lease: Mapping[str, Any] | None, previous: Observation | None, *, sent: float, received: float,
+           settings: LeaseSettings) -> Observation:
+        """The record of `lease`, read by a request sent at `sent` that returned at `received`."""
         record = _record(lease)
         if previous is not None and previous.record == record:
-            return previous
-        return cls(record, now)
+            return dataclasses.replace(previous, checked=sent)
+        # Written after the previous read was sent, and sent by its writer before this read
+        # returned, so its writer stops by `received + renew_deadline`: the lease may not end sooner.
+        earliest = previous.checked if previous is not None else -math.inf
+        duration = record[2] or 0
+        return cls(record, max(earliest, received + settings.renew_deadline - duration), sent)
+
+    @property
+    def expires_at(self) -> float:
+        """When the record's lease runs out, on the candidate's clock."""
+        return self.since + (self.record[2] or 0)
 
 
 def holder(lease: Mapping[str, Any] | None) -> str:
@@ -82,10 +101,7 @@ def holder(lease: Mapping[str, Any] | None) -> str:
 def may_take(lease: Mapping[str, Any] | None, observed: Observation, identity: str, now: float) -> bool:
     """Whether `identity` may write itself into the Lease now."""
     current = holder(lease)
-    if lease is None or current in ("", identity):
-        return True
-    duration = (lease.get("spec") or {}).get("leaseDurationSeconds") or 0
-    return now - observed.since >= duration
+    return lease is None or current in ("", identity) or now >= observed.expires_at
 
 
 def claimed(
