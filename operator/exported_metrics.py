@@ -5,6 +5,8 @@
   They are read from the engines' watch events (`observe`), so they follow status whoever writes
   it, and a deleted engine's series go at once (`forget`).
 - Per operator: its reconcile passes by result, and when the last one went through.
+- Per operator replica: whether it leads (`kvpilot:operator_leader`). A standby serves that
+  gauge alone, at 0 (`standby_page`), so that its target is up and "no replica leads" can alert.
 
 An engine without autoscaling cannot go past its spec.replicas, so that is its maximum here: "at
 its maximum" then means "cannot add a replica", which is what the alerts ask.
@@ -67,6 +69,8 @@ class OperatorMetrics:
         self._last_success = Gauge("kvpilot:operator_last_successful_reconcile_timestamp_seconds",
                                    "When a reconcile pass last went through (0: none since the operator started).",
                                    registry=self.registry)
+        # Only the replica that leads (or runs alone) reconciles, and so builds these metrics.
+        _leader_gauge(self.registry).set(1)
 
     def observe(self, engine: Mapping[str, Any]) -> None:
         labels = engine["metadata"]["namespace"], engine["metadata"]["name"]
@@ -87,13 +91,25 @@ class OperatorMetrics:
         return generate_latest(self.registry)
 
 
-async def serve(endpoint: str, metrics: OperatorMetrics) -> web.AppRunner:
-    """Serve `metrics` at `endpoint` (http://HOST:PORT/PATH, as the liveness endpoint is given);
-    the caller cleans up the runner when the operator stops."""
+def standby_page() -> bytes:
+    """What a standby replica serves: it reconciles nothing, so it says only that it does not lead."""
+    registry = CollectorRegistry()
+    _leader_gauge(registry).set(0)
+    return generate_latest(registry)
+
+
+def _leader_gauge(registry: CollectorRegistry) -> Gauge:
+    return Gauge("kvpilot:operator_leader", "1 in the operator replica that holds the Lease (or runs alone), "
+                 "0 in a standby.", registry=registry)
+
+
+async def serve(endpoint: str, render: Callable[[], bytes]) -> web.AppRunner:
+    """Serve the page `render` makes at `endpoint` (http://HOST:PORT/PATH, as the liveness endpoint
+    is given); the caller cleans up the runner when the operator stops."""
     address = urlsplit(endpoint)  # checked by `kvpilot operator`'s parser
 
     async def page(_: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=render(), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application()
     app.router.add_get(address.path or "/metrics", page)

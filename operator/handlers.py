@@ -76,7 +76,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.exported = exported_metrics.OperatorMetrics()
     # `kvpilot operator --metrics-endpoint` (tests pass their own); none where it is empty.
     endpoint = memo.get("metrics_endpoint")
-    memo.metrics_server = await exported_metrics.serve(endpoint, memo.exported) if endpoint else None
+    memo.metrics_server = await exported_metrics.serve(endpoint, memo.exported.render) if endpoint else None
     memo.reconciler = reconcile.Reconciler(client, unwatched_kinds=await _unwatched_kinds(client),
                                            on_pass=memo.exported.reconciled)
     # Tests point the direct scrape and the policy tuner's calls at fake pods of their own, where

@@ -1,8 +1,8 @@
 """`kvpilot operator`: run the kopf operator with kvpilot's handlers and a liveness endpoint,
 alone or as one of several replicas behind a Lease (`LeaderElection`).
 
-With leader election, a replica stands by (serving liveness, reading only its Lease) until it
-holds the Lease, then runs kopf. One that cannot renew within the renew deadline ends its process
+With leader election, a replica stands by (serving liveness and a metrics page that says it does
+not lead, reading only its Lease) until it holds the Lease, then runs kopf. One that cannot renew within the renew deadline ends its process
 at once, as controller-runtime's manager does: kopf stops no faster than its handlers finish, and
 the next leader may start a lease duration after the last renewal. The pod's restart makes it a
 standby. On SIGTERM the leader stops kopf and hands the Lease back, so that a rolling update
@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import aiohttp.web
 import kopf
 
-from kvpilot.operator import handlers, kube, leader
+from kvpilot.operator import exported_metrics, handlers, kube, leader
 from kvpilot.operator.leader_election import LeaderElection
 
 logger = logging.getLogger(__name__)
@@ -67,11 +67,12 @@ def run_operator(
     if leader_election is None:
         asyncio.run(operator())
     else:
-        asyncio.run(_lead(operator, leader_election, liveness_endpoint))
+        asyncio.run(_lead(operator, leader_election, liveness_endpoint, metrics_endpoint))
 
 
 async def _lead(
     operator: Callable[[], Coroutine[Any, Any, None]], election: LeaderElection, liveness_endpoint: str | None,
+    metrics_endpoint: str | None,
 ) -> None:
     client = kube.Kube(kopf.OperatorSettings())
     elector = leader.Elector(client, name=election.name, namespace=election.namespace,
@@ -81,7 +82,7 @@ async def _lead(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
     try:
-        async with _standby_liveness(liveness_endpoint):
+        async with _standby_liveness(liveness_endpoint), _standby_metrics(metrics_endpoint):
             acquiring = asyncio.create_task(elector.acquire())
             stopped = asyncio.create_task(stopping.wait())
             await asyncio.wait({acquiring, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -108,6 +109,19 @@ async def _lead(
         running.result()
     finally:
         await client.close()
+
+
+@contextlib.asynccontextmanager
+async def _standby_metrics(endpoint: str | None) -> AsyncIterator[None]:
+    """Serve the standby's metrics page, where kopf's startup will serve the leader's."""
+    if endpoint is None:
+        yield
+        return
+    runner = await exported_metrics.serve(endpoint, exported_metrics.standby_page)
+    try:
+        yield
+    finally:
+        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager

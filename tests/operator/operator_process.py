@@ -24,6 +24,17 @@ async def start(log: Path, *flags: str, env: Mapping[str, str] | None = None) ->
         )
 
 
+async def leads(port: int) -> float | None:
+    """The operator's `kvpilot:operator_leader` on its metrics endpoint on `port`; None: no answer."""
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
+            page = await response.text()
+    except aiohttp.ClientError:
+        return None
+    values = [float(line.split()[-1]) for line in page.splitlines() if line.startswith("kvpilot:operator_leader ")]
+    return values[0] if values else None
+
+
 async def healthy(port: int) -> bool:
     """Whether the liveness endpoint on `port` answers 200."""
     try:

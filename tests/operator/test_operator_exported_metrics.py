@@ -70,6 +70,13 @@ def test_passes_are_counted_by_result_and_a_success_is_timed() -> None:
     assert found[("kvpilot:operator_last_successful_reconcile_timestamp_seconds", ())] == 1_700_000_000.0
 
 
+def test_the_replica_that_reconciles_leads_and_a_standby_says_it_does_not() -> None:
+    assert samples(exported_metrics.OperatorMetrics())[("kvpilot:operator_leader", ())] == 1
+    standby = [(s.name, s.value) for family in text_string_to_metric_families(exported_metrics.standby_page().decode())
+               for s in family.samples]
+    assert standby == [("kvpilot:operator_leader", 0)]
+
+
 def test_the_reconciler_reports_a_pass_that_an_api_call_failed_and_one_that_went_through(tmp_path: Path) -> None:
     passes: list[bool] = []
 

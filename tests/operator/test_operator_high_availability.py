@@ -19,7 +19,7 @@ from emulated_apiserver import Fault
 from fake_metrics import fake_metrics
 from kvpilot.operator import leader_election, run as operator_run
 from operator_harness import NAMESPACE, SPEC, Cluster, cluster, created, eventually, free_port, run, write_kubeconfig
-from operator_process import healthy, start
+from operator_process import healthy, leads, start
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,12 +32,12 @@ STARTUP_TIMEOUT = 30
 
 @contextlib.asynccontextmanager
 async def operator_process(
-    k: Cluster, tmp_path: Path, token: str, liveness: str = "",
+    k: Cluster, tmp_path: Path, token: str, liveness: str = "", metrics: str = "",
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     kubeconfig = write_kubeconfig(tmp_path / f"kubeconfig-{token}", k.url, token)
     log = tmp_path / f"operator-{token}.log"
     process = await start(
-        log, "--liveness-endpoint", liveness, "--leader-elect", "--leader-elect-resource-namespace", NAMESPACE,
+        log, "--liveness-endpoint", liveness, "--metrics-endpoint", metrics, "--leader-elect", "--leader-elect-resource-namespace", NAMESPACE,
         "--leader-elect-lease-duration", str(LEASE_DURATION), "--leader-elect-renew-deadline", str(RENEW_DEADLINE),
         "--leader-elect-retry-period", str(RETRY_PERIOD), env={"KUBECONFIG": str(kubeconfig)},
     )
@@ -107,16 +107,18 @@ def test_the_standby_takes_over_from_a_killed_leader_and_scales_when_a_single_op
 
 
 def test_a_leader_cut_off_from_the_api_server_stops_before_the_standby_starts(tmp_path: Path) -> None:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
 
     async def scenario() -> None:
         async with cluster(tmp_path) as k, operator_process(k, tmp_path, "a") as a:
             first = await leading(k, a)
-            liveness = f"http://127.0.0.1:{port}/healthz"
-            async with operator_process(k, tmp_path, "b", liveness) as b:
+            liveness, metrics = f"http://127.0.0.1:{port}/healthz", f"http://127.0.0.1:{metrics_port}/metrics"
+            async with operator_process(k, tmp_path, "b", liveness, metrics) as b:
                 await created(k)
-                # b stands by: it reads the Lease, writes nothing, and is alive for the kubelet.
+                # b stands by: it reads the Lease, writes nothing, is alive for the kubelet, and
+                # tells Prometheus that it does not lead.
                 await eventually(lambda: healthy(port), "the standby's liveness endpoint", timeout=STARTUP_TIMEOUT)
+                assert await leads(metrics_port) == 0
                 assert set(writers(k)) == {"a"}
                 k.server.inject(Fault(lambda r: r.headers.get("Authorization") == "Bearer a", status=503, times=None))
                 exited = asyncio.create_task(_exit_time(a))
@@ -128,6 +130,7 @@ def test_a_leader_cut_off_from_the_api_server_stops_before_the_standby_starts(tm
                 await k.update_engine("qwen", lambda spec: spec.update(replicas=3))
                 await eventually(lambda: k.deployment("qwen")["spec"]["replicas"] == 3, "the new leader's apply")
                 assert await healthy(port), "kopf's liveness endpoint, where the standby's was"
+                assert await leads(metrics_port) == 1
                 # Stopped cleanly, the leader hands the Lease back rather than let it expire.
                 b.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(b.wait(), 15)
