@@ -38,7 +38,7 @@ from kvpilot.runtime.server.errors import install_error_handlers
 from kvpilot.runtime.server.metrics import CONTENT_TYPE
 from kvpilot.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.runtime.server.state import ServerState
-from kvpilot.runtime.server.tenants import TenantRegistry
+from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 from kvpilot.runtime.server.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,14 @@ def build_app(config: RouterConfig, state: ServerState) -> FastAPI:
     app = FastAPI(title="kvpilot router", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     # The metrics are made with the fleet, when the app starts, before any request arrives.
+    def count_response(status: int, tenant: Tenant | None) -> None:
+        parts["metrics"].http_responses.count(status, tenant)
+
     app.add_middleware(AdmissionMiddleware, state=state,
                        authenticator=Authenticator(config.api_key, config.tenants, config.trust_tenant_header),
-                       tenants=config.tenants,
-                       count_response=lambda status, tenant: parts["metrics"].http_responses.count(status, tenant))
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes, timeout_s=limits.body_timeout_s)
+                       tenants=config.tenants, count_response=count_response)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes, timeout_s=limits.body_timeout_s,
+                       count_response=count_response)
 
     async def generate(request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Response:
         raw = await request.body()

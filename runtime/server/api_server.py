@@ -94,7 +94,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState) -> Fas
                        tenants=config.tenants, count_response=metrics.http_responses.count)
     # Outermost: an oversized body is refused before anything else looks at the request.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_body_bytes,
-                       timeout_s=config.limits.body_timeout_s)
+                       timeout_s=config.limits.body_timeout_s, count_response=metrics.http_responses.count)
     app.include_router(_openai_routes(serving, template, config.tools))
     app.include_router(_utility_routes(serving, template, state, metrics))
     app.include_router(_admin_routes(engine, config.admin_token, metrics))

@@ -13,12 +13,15 @@ likes, and enough of them lock everyone out, /health included.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvpilot.runtime.server.admission import OBSERVATION_PATHS
 from kvpilot.runtime.server.errors import APIError
+from kvpilot.runtime.server.tenants import Tenant
 
 # The body is not all read: the connection cannot carry another request.
 _CLOSE = {"Connection": "close"}
@@ -29,10 +32,14 @@ def _too_large(limit: int) -> str:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float,
+                 count_response: Callable[[int, Tenant | None], None] = lambda status, tenant: None) -> None:
+        """`count_response` hears the refusals it gives itself, ahead of the admission middleware
+        that counts every other answer (the others reach the app and pass through it)."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.count_response = count_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -42,6 +49,8 @@ class BodyLimitMiddleware:
         if declared.isdigit() and int(declared) > self.max_bytes:
             error = APIError(413, _too_large(self.max_bytes), code="request_too_large", headers=_CLOSE)
             await error.response()(scope, receive, send)
+            if scope["path"] not in OBSERVATION_PATHS:
+                self.count_response(413, None)
             return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         received = 0

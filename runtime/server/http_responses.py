@@ -1,9 +1,10 @@
 """`kvpilot:http_responses_total{tenant, code}`: what clients were answered, by the engine's API
-server or by a router, counted where every request passes (the admission middleware). The
-dashboard's 429s per tenant and the error-rate alert read it.
+server or by a router, counted where every request passes (the admission middleware), and where
+a body over the limit is refused ahead of it. The dashboard's 429s per tenant and the error-rate
+alert read it.
 
 `tenant` is empty where no tenant is known: no tenants configured, or a request refused before
-its key was read (401, 503). /health, /metrics and the other observation paths are not counted,
+its key was read (401, 503, a 413 on its declared length). /health, /metrics and the other observation paths are not counted,
 so that probes and scrapes do not drown the clients' requests.
 """
 

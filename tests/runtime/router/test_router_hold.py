@@ -89,6 +89,7 @@ def test_past_the_hold_timeout_a_503_with_retry_after(tiny_llama_dir, tmp_path):
                                        timeout=HTTP_TIMEOUT_S), 400)
         # A body over the limit gets its 413 through a lingering close, as from kvpilot serve.
         assert send_whole_body_over_the_limit(router.base_url).startswith(b"HTTP/1.1 413")
+        assert router.metric("kvpilot:http_responses_total", tenant="", code="413") == 1
         health = httpx.get(f"{router.base_url}/health", timeout=HTTP_TIMEOUT_S)
         assert health.status_code == 200 and health.json()["replicas_ready"] == 0
     finally:

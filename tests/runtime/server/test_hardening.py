@@ -125,6 +125,7 @@ def test_every_route_but_the_probes_needs_a_key(server):
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_sent(server):
+    refused_before = server.metric("kvpilot:http_responses_total", tenant="", code="413")
     # A declared length over the limit: answered at once, without a byte of the body.
     sock = _connect(server)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -133,6 +134,8 @@ def test_a_body_over_the_limit_is_413_before_it_is_sent(server):
     head = sock.recv(65536).split(b"\r\n\r\n", 1)[0]
     sock.close()
     assert head.startswith(b"HTTP/1.1 413"), head
+    # Counted with the answers, before the key was read (so under no tenant).
+    assert server.metric("kvpilot:http_responses_total", tenant="", code="413") == refused_before + 1
 
 
 def test_a_refused_body_is_read_to_its_end_then_the_connection_closes_cleanly(server):
