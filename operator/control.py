@@ -3,8 +3,10 @@ pods, read the ready ones' metrics once, and hand that same reading to each cont
 
 `ControlLoops.controllers` are what runs on each reading: the autoscaler (below), for engines
 with autoscaling enabled, and the scheduling-policy tuner (tuning.py), for `scheduling.policy:
-auto`; each has the same `Controller` shape. The autoscaler goes first: the tuner judges whether
-the engine can still scale from the replicas the interval began with.
+auto`; each has the same `Controller` shape (controller.py). The autoscaler goes first: the tuner judges whether
+the engine can still scale from the replicas the interval began with. What the controllers record
+(their status fields and their parts of status.controlMemory) goes in one status write per
+interval; what each does after it is recorded comes next.
 
 One asyncio task per engine, started and stopped from the engines' watch events: no kopf daemon
 or timer, so no finalizer on the InferenceEngines (deletion still relies on ownerReferences
@@ -21,47 +23,19 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import aiohttp
 import kopf
 
 from kvpilot.operator import (autoscaler, control_memory, kube, metrics, naming, reconcile, render_router, samples,
                               status, tuning)
+from kvpilot.operator.controller import Controller, Interval, Key, Step
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, str]  # (namespace, name)
 # The pod-deletion-cost of the pods a scale-down removes; others carry none, which counts as 0.
 REMOVE_FIRST = "-1000"
-
-
-@dataclass(frozen=True)
-class Interval:
-    """What one interval read, shared by every controller of the engine."""
-
-    engine: Mapping[str, Any]  # read at the start of the interval
-    ready: Sequence[Mapping[str, Any]]  # the ready pods
-    starting: int  # pods that exist, are not terminating, and are not ready yet
-    reading: samples.Reading
-    now: float  # seconds since the epoch
-    # What the ready routers hold, summed, or why that is unknown; None without routing.
-    held: float | samples.Problem | None = None
-
-
-class Controller(Protocol):
-    memory: str  # its part of status.controlMemory (control_memory.py)
-
-    def wants(self, spec: Mapping[str, Any]) -> bool:
-        """Whether the engine needs this controller's step every interval."""
-        ...
-
-    async def step(self, interval: Interval) -> None: ...
-
-    def forget(self, key: Key) -> None:
-        """Drop what is remembered about an engine whose loop ended."""
-        ...
 
 
 def pod_states(pods: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
@@ -79,6 +53,18 @@ def pod_states(pods: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any
         else:
             starting += 1
     return ready, starting
+
+
+def merged(changes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The controllers' status changes as one: their fields side by side, controlMemory's parts too."""
+    status: dict[str, Any] = {}
+    for change in changes:
+        for field, value in change.items():
+            if field == control_memory.FIELD:
+                status[field] = {**status.get(field, {}), **value}
+            else:
+                status[field] = value
+    return status
 
 
 class ControlLoops:
@@ -139,9 +125,15 @@ class ControlLoops:
                                         latencies=bool(spec["autoscaling"].get("targets")))
             held = await self._held(engine, source)
         interval = Interval(engine, ready, starting, reading, self._clock(), held)
-        for controller in self.controllers:
-            if controller.wants(spec):
-                await controller.step(interval)
+        steps = [await controller.step(interval) for controller in self.controllers if controller.wants(spec)]
+
+        async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
+            return merged([step.record(fresh) for step in steps])
+
+        await self._reconciler.update_status(namespace, name, recorded)
+        for step in steps:
+            if step.then is not None:
+                await step.then()
         return seconds
 
     async def _forget_unwanted(self, engine: Mapping[str, Any]) -> None:
@@ -237,7 +229,7 @@ class Autoscaling:
         self._history.pop(key, None)
         self._memory.pop(key, None)
 
-    async def step(self, interval: Interval) -> None:
+    async def step(self, interval: Interval) -> Step:
         engine = interval.engine
         meta, spec = engine["metadata"], engine["spec"]
         key = (meta["namespace"], meta["name"])
@@ -273,14 +265,14 @@ class Autoscaling:
             kopf.info(about, reason=decision.reason, message=decision.message)
         now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)
 
-        async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
+        def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
             new = status.autoscaling(fresh, decision, now=now, scaled=bool(decision.reason))
             if new:
                 memory = control_memory.encoded_autoscaler(decision, interval.now)
                 new[control_memory.FIELD] = {control_memory.AUTOSCALER: memory}
             return new
 
-        await self._reconciler.update_status(*key, recorded)
+        return Step(recorded)
 
     async def _mark_for_removal(self, ready: Sequence[Mapping[str, Any]], remove: Sequence[str]) -> None:
         """The pods to remove get a pod-deletion-cost below the others' (0, unannotated), so that the

@@ -1,8 +1,9 @@
 """The policy tuner's controller in the control loop: one engine's decision (tuner.py) applied,
 each interval, from the same reading the autoscaler gets.
 
-A decision that changes the effective policy is recorded in status.effectiveSchedulingPolicy and
-in an Event. Then, whatever was decided, the policy is made true wherever it may have drifted:
+A decision that changes the effective policy is recorded in status.effectiveSchedulingPolicy (in
+the control loop's one status write of the interval) and in an Event. Then, whatever was decided,
+the policy is made true wherever it may have drifted:
 the scheduling ConfigMap that starting pods read, and every ready pod, read back and switched
 where it differs (a pod that restarted, or was not ready at the switch). So each interval repairs
 what the last one could not reach. Engines with a pinned policy are not this controller's.
@@ -12,14 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import kopf
 
 from kvpilot.operator import control_memory, engine_admin, kube, metrics, reconcile, render, tuner
+from kvpilot.operator.controller import Interval, Key, Step
 
-if TYPE_CHECKING:
-    from kvpilot.operator.control import Interval, Key
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class PolicyTuning:
     def forget(self, key: Key) -> None:
         self._states.pop(key, None)
 
-    async def step(self, interval: Interval) -> tuner.PolicyDecision:
+    async def step(self, interval: Interval) -> Step:
         engine = interval.engine
         meta, spec = engine["metadata"], engine["spec"]
         key = (meta["namespace"], meta["name"])
@@ -60,16 +60,17 @@ class PolicyTuning:
                            f" keeping {decision.policy}")
         recorded = render.effective_scheduling_policy(engine)
 
-        async def effective(_: Mapping[str, Any]) -> dict[str, Any]:
+        def effective(_: Mapping[str, Any]) -> dict[str, Any]:
             memory = control_memory.encoded_tuner(decision.state, interval.now)
             return {"effectiveSchedulingPolicy": decision.policy, control_memory.FIELD: {control_memory.TUNER: memory}}
 
-        await self._reconciler.update_status(*key, effective)
-        if decision.policy != recorded:
-            kopf.info(engine, reason=CHANGED, message=f"{recorded} -> {decision.policy}: {decision.message}")
-        await self._keep_start_policy(engine, decision.policy)
-        await self._bring_pods_in_line(engine, interval.ready, decision.policy, metrics.request_timeout(seconds))
-        return decision
+        async def made_true() -> None:
+            if decision.policy != recorded:
+                kopf.info(engine, reason=CHANGED, message=f"{recorded} -> {decision.policy}: {decision.message}")
+            await self._keep_start_policy(engine, decision.policy)
+            await self._bring_pods_in_line(engine, interval.ready, decision.policy, metrics.request_timeout(seconds))
+
+        return Step(effective, made_true)
 
     async def _keep_start_policy(self, engine: Mapping[str, Any], policy: str) -> None:
         wanted = render.scheduling_config_map(engine, policy)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from emulated_apiserver import merge_patched
-from kvpilot.operator import autoscaler, control_memory, samples, tuner
+from kvpilot.operator import autoscaler, control, control_memory, samples, tuner
 from test_operator_autoscaler import POLICY, reading
 
 DOWN = POLICY.scale_down_stabilization_seconds
@@ -96,3 +96,12 @@ def test_a_controller_turned_off_forgets_its_part() -> None:
     assert control_memory.forgotten(status, []) is None
     assert control_memory.forgotten(status, ["autoscaler"]) == {control_memory.FIELD: {"autoscaler": None}}
     assert control_memory.forgotten({}, ["autoscaler", "tuner"]) is None
+
+
+def test_the_controllers_records_go_in_one_status_write_side_by_side() -> None:
+    autoscaler_part = {"desiredReplicas": 2, control_memory.FIELD: {control_memory.AUTOSCALER: {"since": 1.0}}}
+    tuner_part = {"effectiveSchedulingPolicy": "priority", control_memory.FIELD: {control_memory.TUNER: {"calm": 3}}}
+    assert control.merged([autoscaler_part, {}, tuner_part]) == {
+        "desiredReplicas": 2, "effectiveSchedulingPolicy": "priority",
+        control_memory.FIELD: {control_memory.AUTOSCALER: {"since": 1.0}, control_memory.TUNER: {"calm": 3}},
+    }
