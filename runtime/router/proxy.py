@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -161,21 +161,33 @@ class Proxy:
     async def _open(self, upstream: Upstream, deadline: float) -> tuple[Replica, aiohttp.ClientResponse]:
         """The first answer from a replica that is not a failure before its first byte, trying them
         in rank order, and holding while none is ready. The replica's in-flight count is taken."""
-        while True:
-            for replica in await self._ranked(upstream, deadline):
-                response = await self._send(replica, upstream)
-                if response is not None:
-                    return replica, response
-            # Every ready replica failed, and is unready now: held until one is ready again.
+        # Released from the hold: the next held request goes once this one is sent (held.py).
+        pass_on: Callable[[], None] | None = None
+        try:
+            while True:
+                replicas, pass_on = await self._ranked(upstream, deadline, pass_on)
+                for replica in replicas:
+                    response = await self._send(replica, upstream, sent=pass_on)
+                    if response is not None:
+                        return replica, response
+                # Every ready replica failed, and is unready now: held until one is ready again.
+        finally:
+            if pass_on is not None:
+                pass_on()
 
-    async def _ranked(self, upstream: Upstream, deadline: float) -> list[Replica]:
+    async def _ranked(self, upstream: Upstream, deadline: float, pass_on: Callable[[], None] | None
+                      ) -> tuple[list[Replica], Callable[[], None] | None]:
+        """The ready replicas in rank order, after holding while none is; and the `pass_on` of the
+        hold's turn, where this request was released from the hold."""
         loop = asyncio.get_running_loop()
         while not (ready := self.fleet.ready()):
+            if pass_on is not None:
+                pass_on()  # it waits again, behind the others' turns
             try:
-                released = await self.held.wait(upstream.priority, max(0.0, deadline - loop.time()))
+                pass_on = await self.held.wait(upstream.priority, max(0.0, deadline - loop.time()))
             except HoldQueueFull as err:
                 raise _no_replica(f"no replica is ready and {err}") from None
-            if not released:
+            if pass_on is None:
                 self.metrics.hold_timeouts.inc()
                 raise _no_replica(f"no replica became ready within {self.settings.hold_timeout_s:g} s (--hold-timeout)")
         hashes = upstream.prompt_hashes or {}
@@ -188,13 +200,17 @@ class Proxy:
             logger.debug("%s %s (priority %d) -> %s; %s", upstream.method, upstream.path, upstream.priority, pick.name, ", ".join(
                 f"{s.name}: prefix={s.prefix_blocks} load={s.load} (in flight {s.in_flight}, running {s.running}, "
                 f"waiting {s.waiting})" for s in order))
-        return [self.fleet.replicas[state.name] for state in order]
+        return [self.fleet.replicas[state.name] for state in order], pass_on
 
-    async def _send(self, replica: Replica, upstream: Upstream) -> aiohttp.ClientResponse | None:
+    async def _send(self, replica: Replica, upstream: Upstream, *, sent: Callable[[], None] | None = None
+                    ) -> aiohttp.ClientResponse | None:
+        """The replica's answer, once its head arrived; `sent` is called as the request goes out
+        (replicas.fleet_session traces it)."""
         replica.in_flight += 1
         try:
             response = await self.session.request(upstream.method, replica.url + upstream.path, data=upstream.body,
-                                                   headers=upstream.headers, timeout=UPSTREAM_TIMEOUT)
+                                                   headers=upstream.headers, timeout=UPSTREAM_TIMEOUT,
+                                                   trace_request_ctx=sent)
         except (aiohttp.ClientError, TimeoutError) as err:
             replica.in_flight -= 1
             self._failed(replica, f"unreachable ({type(err).__name__}: {err})")

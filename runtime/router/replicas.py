@@ -206,7 +206,15 @@ def _on_host(endpoint: str, replica_url: str) -> str:
 @contextlib.asynccontextmanager
 async def fleet_session():
     """The router's one HTTP client to the replicas: no pool limit (the router's own connection
-    limit bounds it), and no total timeout (a stream lasts as long as it lasts)."""
+    limit bounds it), and no total timeout (a stream lasts as long as it lasts). A request made
+    with a callable `trace_request_ctx` has it called as its body goes out (the hold's turns)."""
     connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+    sent = aiohttp.TraceConfig()
+    sent.on_request_chunk_sent.append(_call_when_sent)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False, trace_configs=[sent]) as session:
         yield session
+
+
+async def _call_when_sent(_session: aiohttp.ClientSession, context, _params) -> None:
+    if callable(context.trace_request_ctx):
+        context.trace_request_ctx()

@@ -38,8 +38,11 @@ def fleet(tiny_llama_dir, tmp_path_factory):
                                                         "--kv-events-config", kv_events_config()), range(3)))
     backends = workdir / "backends"
     backends.write_text("".join(f"{r.base_url}\n" for r in replicas))
-    routers = [start_server(tiny_llama_dir, workdir, "--backends-file", str(backends), subcommand="router")
-               for _ in range(2)]
+    # The bound on loads off: placed by their caches alone, two routers must agree on every turn.
+    # With it, a stale load reading (a turn that ended since) moves a conversation now and then,
+    # which one engine never does; tests/runtime/router/test_picking.py covers the bound.
+    routers = [start_server(tiny_llama_dir, workdir, "--backends-file", str(backends),
+                            "--bounded-load-factor", "1000", subcommand="router") for _ in range(2)]
     round_robin = start_server(tiny_llama_dir, workdir, "--backends-file", str(backends),
                                "--routing-strategy", "round-robin", subcommand="router")
     everything = [*replicas, *routers, round_robin]
@@ -59,11 +62,9 @@ def test_multi_turn_conversations_are_answered_as_by_one_engine_with_its_prefix_
     replicas, routers, round_robin = fleet
     questions = conversation_questions(num_conversations=24, num_turns=4, words_per_turn=12, seed=0)
 
-    # One conversation at a time per replica: a fourth would sometimes find three on its replica
-    # and the bound (picking.BOUNDED_LOAD_SLACK) move it, which one engine never does.
     def run(urls, salt):
         before = fleet_hits(replicas)
-        turns = asyncio.run(run_conversations(urls, questions, model="tiny", max_tokens=12, concurrency=3,
+        turns = asyncio.run(run_conversations(urls, questions, model="tiny", max_tokens=12, concurrency=4,
                                               cache_salt=salt))
         return [[t.answer for t in conversation] for conversation in turns], fleet_hits(replicas) - before
 
@@ -74,8 +75,9 @@ def test_multi_turn_conversations_are_answered_as_by_one_engine_with_its_prefix_
     assert routed == one_engine
     assert rotated == one_engine
     assert one_engine_hits > 0
-    # The turns crossed both routers, which placed each conversation alike.
-    assert routed_hits >= 0.9 * one_engine_hits, (routed_hits, one_engine_hits)
+    # The turns crossed both routers, which placed each conversation alike (measured: all the hits;
+    # the margin is for a KV event that reaches one router after the next turn).
+    assert routed_hits >= 0.95 * one_engine_hits, (routed_hits, one_engine_hits)
     # Round-robin finds a conversation's blocks only where an earlier turn happened to run (a third
     # of the time for turn 2, more for later turns, partly).
     assert rotated_hits <= 0.7 * one_engine_hits, (rotated_hits, one_engine_hits)
