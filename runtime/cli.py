@@ -403,6 +403,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling_defaults = generation_defaults(model_dir, args.generation_config)
     except ValueError as err:
         parser.error(_named_by_flag(str(err)))
+    if engine_config.parallel.headless:
+        # This host's ranks only: host 0 serves the API and runs the EngineCore.
+        from kvpilot.runtime.engine.core import default_device
+        from kvpilot.runtime.worker.executor import run_headless
+
+        return run_headless(engine_config, default_device().type)
     if sampling_defaults:
         print(f"kvpilot serve: sampling defaults from the model's generation config: {sampling_defaults} "
               "(--generation-config vllm ignores them)", file=sys.stderr)

@@ -522,7 +522,6 @@ def _check_layout(parallel: ParallelConfig) -> None:
              "is for every host but node 0, which runs the API server" if parallel.headless
              else f"is needed on node {parallel.node_rank}: only node 0 runs the API server")
     _require(parallel.pipeline_parallel_size == 1, "pipeline_parallel_size", "above 1 is not supported yet")
-    _require(parallel.nnodes == 1, "nnodes", "above 1 is not supported yet")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -9,10 +9,12 @@ engine the moment they disagree rather than return wrong tokens.
 
 Calls travel over one pipe per worker as msgspec msgpack bytes; nothing is pickled after the
 workers start. A worker that dies fails the call at once instead of leaving the others waiting.
+Ranks on other hosts (--nnodes) get their calls through rank 0 (hosts.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing
 import os
@@ -20,7 +22,9 @@ import shutil
 import signal
 import tempfile
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 import msgspec
@@ -29,6 +33,7 @@ import torch
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.engine.parent_watch import kill_with_parent, remove_if_orphaned
+from kvpilot.runtime.worker import hosts
 from kvpilot.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -73,30 +78,25 @@ class WorkerDiedError(RuntimeError):
     pass
 
 
+# A call as rank 0 relays it to the other hosts' ranks: (method, payload); an empty method stops them.
+_Call = tuple[str, bytes]
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, device_type: str) -> None:
-        self.world_size = config.parallel.tensor_parallel_size
-        if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"tensor_parallel_size={self.world_size} needs {self.world_size} GPUs, "
+        parallel = config.parallel
+        self.world_size = parallel.tensor_parallel_size
+        local = len(hosts.host_ranks(parallel))
+        if device_type == "cuda" and torch.cuda.device_count() < local:
+            raise ValueError(f"tensor_parallel_size={self.world_size} needs {local} GPUs on this host, "
                              f"{torch.cuda.device_count()} are visible")
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvpilot-tp-")
         remove_if_orphaned(self._rendezvous_dir)
-        context = multiprocessing.get_context("spawn")
-        self._pipes: list[Connection] = []
-        self._workers = []
-        for rank in range(self.world_size):
-            ours, theirs = context.Pipe()
-            worker = context.Process(
-                target=run_worker,
-                args=(config, rank, device_type, f"file://{self._rendezvous_dir}/init", theirs),
-                name=f"kvpilot-tp-worker-{rank}", daemon=True,
-            )
-            worker.start()
-            theirs.close()
-            self._pipes.append(ours)
-            self._workers.append(worker)
-        self._decoder = msgspec.msgpack.Decoder(WorkerReply)
-        self._collect()  # each worker reports once its shard is loaded
+        # Across hosts, rank 0 relays every call (hosts.py): the others here need no pipe.
+        self._workers, self._pipes = start_workers(config, device_type, self._rendezvous_dir,
+                                                   piped=lambda rank: parallel.nnodes == 1 or rank == 0)
+        self._decoder = msgspec.msgpack.Decoder(list[WorkerReply])
+        self._collect()  # each worker reports once its shard is loaded (rank 0: every rank's)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self._call("kv_cache_bytes_per_block")[0].value
@@ -128,10 +128,10 @@ class MultiprocExecutor:
         return self._collect()
 
     def _collect(self) -> list[WorkerReply]:
-        """Every rank's reply. The first error or death fails the call and stops every worker:
-        the other ranks may be blocked in a collective with the missing one."""
-        replies: dict[int, WorkerReply] = {}
-        pending = dict(enumerate(self._pipes))
+        """Every rank's reply, in rank order. The first error or death fails the call and stops every
+        worker: the other ranks may be blocked in a collective with the missing one."""
+        replies: dict[int, list[WorkerReply]] = {}
+        pending = dict(enumerate(self._pipes))  # the pipe of worker i is the i-th
         while pending:
             handles = {pipe: rank for rank, pipe in pending.items()}
             handles.update({self._workers[rank].sentinel: rank for rank in pending})
@@ -141,15 +141,16 @@ class MultiprocExecutor:
                     continue
                 if pending[rank].poll():
                     try:
-                        reply = self._decoder.decode(pending.pop(rank).recv_bytes())
+                        answers = self._decoder.decode(pending.pop(rank).recv_bytes())
                     except (OSError, EOFError) as exc:  # the worker went away mid-reply
                         self._fail(RuntimeError(f"lost TP worker {rank}: {exc}"))
-                    if reply.error is not None:
-                        self._fail(RuntimeError(f"TP worker {rank} failed: {reply.error}"))
-                    replies[rank] = reply
+                    for answering, reply in enumerate(answers, start=rank):
+                        if reply.error is not None:
+                            self._fail(RuntimeError(f"TP worker {answering} failed: {reply.error}"))
+                    replies[rank] = answers
                 elif not self._workers[rank].is_alive():
                     self._fail(WorkerDiedError(f"TP worker {rank} exited in the middle of a call"))
-        return [replies[rank] for rank in range(self.world_size)]
+        return [reply for rank in sorted(replies) for reply in replies[rank]]
 
     def _fail(self, error: RuntimeError) -> None:
         """Stop every worker and raise: the first dead rank's exit code if one died (it explains its
@@ -179,49 +180,110 @@ class MultiprocExecutor:
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
 
-def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: str, pipe: Connection) -> None:
-    """TP worker process: join the group, load this rank's shard, then serve the executor's calls."""
+def start_workers(config: EngineConfig, device_type: str, rendezvous_dir: str, piped: Callable[[int], bool]
+                  ) -> tuple[list[BaseProcess], list[Connection]]:
+    """This host's ranks as processes, in rank order, and the pipes to those `piped(rank)` names."""
+    context = multiprocessing.get_context("spawn")
+    init = hosts.init_method(config.parallel, rendezvous_dir)
+    workers, pipes = [], []
+    for rank in hosts.host_ranks(config.parallel):
+        ours, theirs = context.Pipe() if piped(rank) else (None, None)
+        worker = context.Process(target=run_worker, args=(config, rank, device_type, init, theirs),
+                                 name=f"kvpilot-tp-worker-{rank}", daemon=True)
+        worker.start()
+        if theirs is not None:
+            theirs.close()
+            pipes.append(ours)
+        workers.append(worker)
+    return workers, pipes
+
+
+def run_headless(config: EngineConfig, device_type: str) -> int:
+    """`kvpilot serve --headless`: this host's ranks of a multi-host engine, until host 0 stops them
+    (0) or one of them fails (1, having said why)."""
+    workers, _ = start_workers(config, device_type, rendezvous_dir="", piped=lambda rank: False)
+    for worker in workers:
+        worker.join()
+    failed = [(worker.name, worker.exitcode) for worker in workers if worker.exitcode != 0]
+    for name, code in failed:
+        logger.error("%s exited with code %s", name, code)
+    return 1 if failed else 0
+
+
+def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: str, pipe: Connection | None) -> None:
+    """A TP worker process: join the group, load this rank's shard, then serve the calls: the
+    executor's, from `pipe`; or, without one, rank 0's relayed over the control group (hosts.py)."""
     # The EngineCore decides when workers stop (EOF on the pipe), not signals to the process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Nor may a worker outlive the EngineCore, even one killed in the middle of a collective.
+    # Nor may a worker outlive the EngineCore (or the headless host's process), even one killed in
+    # the middle of a collective.
     kill_with_parent()
-    world_size = config.parallel.tensor_parallel_size
+    parallel = config.parallel
+    local = hosts.host_ranks(parallel)
     if device_type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank - local.start)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         # The ranks share the machine's cores; more threads each would only contend.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(local)))
     encoder = msgspec.msgpack.Encoder()
+    control = None
     try:
-        torch.distributed.init_process_group(
-            "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=world_size,
-        )
+        try:
+            torch.distributed.init_process_group(
+                "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                world_size=parallel.tensor_parallel_size,
+                timeout=datetime.timedelta(seconds=parallel.distributed_timeout),
+            )
+        except Exception as exc:  # noqa: BLE001 - the first line of torch's message says enough
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise RuntimeError(f"rank {rank} could not join the {parallel.tensor_parallel_size} ranks at "
+                               f"{init_method} within {parallel.distributed_timeout:g} s "
+                               f"(--distributed-timeout): {first_line}") from None
         # NCCL connects its transports at the first collective: make it now, so that a broken one
         # fails the engine's start rather than its first request.
         torch.distributed.all_reduce(torch.zeros(1, device=device))
+        control = hosts.ControlGroup(parallel.distributed_timeout) if parallel.nnodes > 1 else None
         runner = ModelRunner(config, device)
-    except BaseException as exc:  # noqa: BLE001 - reported to the executor, which fails the engine
-        pipe.send_bytes(encoder.encode(WorkerReply(error=f"{type(exc).__name__}: {exc}")))
-        raise
-    pipe.send_bytes(encoder.encode(WorkerReply()))
+        started = WorkerReply()
+    except Exception as exc:  # noqa: BLE001 - reported to the executor, which fails the engine
+        runner, started = None, WorkerReply(error=f"{type(exc).__name__}: {exc}")
     try:
-        _serve(runner, rank, pipe, encoder)
+        _reply(started, pipe, control, encoder)
+        if runner is not None:
+            _serve(runner, rank, pipe, control, encoder)
+    except RuntimeError as exc:  # a collective of the control group failed: a host is gone
+        if pipe is None:
+            raise
+        # Told, the executor stops the engine; the exit code would only hide the message.
+        pipe.send_bytes(encoder.encode([WorkerReply(error=f"lost a rank on another host: {exc}")]))
+        return
     finally:
-        # Not left to the interpreter's exit, where NCCL warns that work may still be pending.
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            # Not left to the interpreter's exit, where NCCL warns that work may still be pending.
+            torch.distributed.destroy_process_group()
+    if runner is None and pipe is None:
+        raise SystemExit(1)  # a headless host's rank: its host's exit status tells
 
 
-def _serve(runner: ModelRunner, rank: int, pipe: Connection, encoder: msgspec.msgpack.Encoder) -> None:
-    """The executor's calls, one at a time, until it closes the pipe."""
+def _serve(runner: ModelRunner, rank: int, pipe: Connection | None, control: hosts.ControlGroup | None,
+           encoder: msgspec.msgpack.Encoder) -> None:
+    """The calls, one at a time, until the executor closes the pipe (or rank 0 relays that it did)."""
     decoders = {name: msgspec.msgpack.Decoder(kind) if kind else None for name, kind in _ARGUMENT_TYPES.items()}
+    calls = msgspec.msgpack.Decoder(_Call)
     while True:
-        try:
-            method = pipe.recv_bytes().decode()
-            payload = pipe.recv_bytes()
-        except EOFError:
+        if pipe is not None:
+            try:
+                method, payload = pipe.recv_bytes().decode(), pipe.recv_bytes()
+            except EOFError:
+                method, payload = "", b""
+            if control is not None:
+                control.broadcast(encoder.encode((method, payload)))
+        else:
+            method, payload = calls.decode(control.broadcast())
+        if not method:
             return
         try:
             decoder = decoders[method]
@@ -233,4 +295,15 @@ def _serve(runner: ModelRunner, rank: int, pipe: Connection, encoder: msgspec.ms
         except Exception as exc:  # noqa: BLE001 - the executor turns it into an engine failure
             logger.error("TP worker %d failed in %s:\n%s", rank, method, traceback.format_exc())
             reply = WorkerReply(error=f"{type(exc).__name__}: {exc}")
-        pipe.send_bytes(encoder.encode(reply))
+        _reply(reply, pipe, control, encoder)
+
+
+def _reply(reply: WorkerReply, pipe: Connection | None, control: hosts.ControlGroup | None,
+           encoder: msgspec.msgpack.Encoder) -> None:
+    """To the executor: this rank's reply, or on rank 0 across hosts, every rank's in rank order."""
+    replies = [reply]
+    if control is not None:
+        gathered = control.gather(encoder.encode(reply))
+        replies = [msgspec.msgpack.decode(answer, type=WorkerReply) for answer in gathered]
+    if pipe is not None:
+        pipe.send_bytes(encoder.encode(replies))
