@@ -63,9 +63,15 @@ def splice(text: str, blocks: dict[str, str]) -> str:
     return text
 
 
+def quoted(report: str) -> str:
+    """A report as BENCHMARKS.md quotes it: without its `Headline:` line, which the headline table carries."""
+    return re.sub(r"^Headline: .*\n?", "", report, flags=re.MULTILINE).strip()
+
+
 def reports() -> dict[str, str]:
-    """Every committed report, by its path from the repository root."""
-    return {path.relative_to(REPO).as_posix(): path.read_text() for path in sorted(RESULTS.glob("*/report.md"))}
+    """Every committed report as BENCHMARKS.md quotes it, by its path from the repository root."""
+    return {path.relative_to(REPO).as_posix(): quoted(path.read_text())
+            for path in sorted(RESULTS.glob("*/report.md"))}
 
 
 def _results() -> dict[str, dict]:

@@ -28,6 +28,11 @@ def test_splice_replaces_only_between_the_markers():
     assert run_benchmarks.splice(new, {"a": "new a", "b": "new b"}) == new
 
 
+def test_a_report_is_quoted_without_its_headline_line():
+    report = "Command: `x`\n\n| a |\n|---|\n| 1 |\n\nHeadline: 1.4x its peer\n"
+    assert run_benchmarks.quoted(report) == "Command: `x`\n\n| a |\n|---|\n| 1 |"
+
+
 def test_a_begin_without_its_end_is_an_error():
     begin, _ = run_benchmarks._markers("a")
     with pytest.raises(ValueError, match="has no"):
