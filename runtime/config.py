@@ -482,8 +482,6 @@ class _EngineArgsMethods:
         _check_tensor_parallel(model, parallel.tensor_parallel_size)
         _check_layout(parallel)
         lora = LoRAConfig(**groups["lora"])
-        _require(not lora.enable_lora, "enable_lora", "is not supported yet: LoRA adapters are not wired into the "
-                 "engine")
         return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]), scheduler=scheduler,
                             parallel=parallel, lora=lora)
 

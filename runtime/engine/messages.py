@@ -58,6 +58,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     scheduling_policy: SchedulingPolicy
+    # LoRA adapter names: those running requests use, those waiting requests name (vLLM's
+    # vllm:lora_requests_info), and those the workers hold in host memory.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    loaded_lora_adapters: list[str] = []
 
 
 class UtilityCall(msgspec.Struct, array_like=True):
