@@ -57,12 +57,19 @@ def mixed_batch(num_prompts: int, seed: int, lengths=(9, 30, 5, 17, 40, 3, 22, 1
     return prompts, [MIX[i % len(MIX)] for i in range(num_prompts)]
 
 
-def assert_rows_match(llm: LLM, oracles, adapters, prompts, names) -> None:
-    loras = [None if name is None else adapters[name] for name in names]
-    outputs = llm.generate(prompts, PARAMS, lora_request=loras)
+def assert_rows_match(model: str, oracles, adapters, num_prompts: int, seed: int, **settings) -> LLM:
+    """Runs a mixed batch on a fresh engine (stopped before returning) and compares every row."""
+    llm = LLM(model, enable_lora=True, max_lora_rank=8, block_size=8, max_num_batched_tokens=64, **settings)
+    try:
+        prompts, names = mixed_batch(num_prompts, seed)
+        loras = [None if name is None else adapters[name] for name in names]
+        outputs = llm.generate(prompts, PARAMS, lora_request=loras)
+    finally:
+        llm.engine.shutdown()
     for row, (prompt, name, output) in enumerate(zip(prompts, names, outputs)):
         assert output.outputs[0].token_ids == oracles[name].greedy(prompt)[0], \
             f"row {row} (adapter {name}) diverged from transformers + peft"
+    return llm
 
 
 def test_each_adapter_changes_the_output(oracles):
@@ -74,41 +81,23 @@ def test_each_adapter_changes_the_output(oracles):
 
 def test_a_batch_mixing_three_adapters_and_the_base_matches_peft_row_by_row(tiny_llama_dir, adapters, oracles):
     # Two slots for three adapters: a request whose adapter finds both in use waits its turn.
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=8,
-              max_num_batched_tokens=64)
-    try:
-        assert_rows_match(llm, oracles, adapters, *mixed_batch(8, seed=2))
-    finally:
-        llm.engine.shutdown()
+    assert_rows_match(str(tiny_llama_dir), oracles, adapters, 8, seed=2, max_loras=2)
 
 
 def test_the_same_under_preemption(tiny_llama_dir, adapters, oracles):
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=3, max_lora_rank=8, block_size=8,
-              max_num_batched_tokens=64, num_gpu_blocks_override=16)
-    try:
-        assert_rows_match(llm, oracles, adapters, *mixed_batch(8, seed=3))
-        assert llm.get_stats().num_preemptions > 0
-    finally:
-        llm.engine.shutdown()
+    llm = assert_rows_match(str(tiny_llama_dir), oracles, adapters, 8, seed=3, max_loras=3,
+                            num_gpu_blocks_override=16)
+    assert llm.get_stats().num_preemptions > 0
 
 
 def test_the_same_at_tp_2(tiny_llama_dir, adapters, oracles):
     # Two ranks: each holds B's rows of its q/k/v and gate/up shards, A's columns of its o and down.
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=3, max_lora_rank=8, block_size=8,
-              max_num_batched_tokens=64, tensor_parallel_size=2)
-    try:
-        assert_rows_match(llm, oracles, adapters, *mixed_batch(4, seed=4))
-    finally:
-        llm.engine.shutdown()
+    assert_rows_match(str(tiny_llama_dir), oracles, adapters, 4, seed=4, max_loras=3, tensor_parallel_size=2)
 
 
 def test_the_same_on_a_packed_q8_0_base(tiny_llama_dir, adapters, tmp_path_factory):
     gguf = write_tiny_gguf(tiny_llama_dir, tmp_path_factory.mktemp("q8") / "tiny.Q8_0.gguf", lambda name: "Q8_0")
-    llm = LLM(str(gguf), tokenizer=str(tiny_llama_dir), enable_lora=True, max_loras=3, max_lora_rank=8,
-              block_size=8, max_num_batched_tokens=64)
-    try:
-        assert llm.engine.executor.model.layers[0].self_attn.qkv_proj.packed is not None
-        oracles = oracles_for(adapters, str(gguf.parent), gguf_file=gguf.name)
-        assert_rows_match(llm, oracles, adapters, *mixed_batch(4, seed=5))
-    finally:
-        llm.engine.shutdown()
+    oracles = oracles_for(adapters, str(gguf.parent), gguf_file=gguf.name)
+    llm = assert_rows_match(str(gguf), oracles, adapters, 4, seed=5, max_loras=3, tokenizer=str(tiny_llama_dir))
+    # The base stayed packed: the adapters ran beside quant_matmul, not on dequantized weights.
+    assert llm.engine.executor.model.layers[0].self_attn.qkv_proj.packed is not None
