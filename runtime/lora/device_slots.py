@@ -105,6 +105,8 @@ class DeviceLoRASlots:
         self.max_rank = config.max_lora_rank
         self.batch = LoRABatch(config.max_loras, device, _kernel_for(device))
         self.host_cache: AdapterLRU[ShardedAdapter] = AdapterLRU(config.max_cpu_loras or config.max_loras)
+        # The id of the adapter each slot holds.
+        self._slot_adapters: list[int | None] = [None] * config.max_loras
         self.layers: list[LayerLoRA] = []
         # (decoder layer index, module) -> (its LayerLoRA, its part, how this rank cuts A and B).
         self._places: dict[tuple[int, str], tuple[LayerLoRA, int, Callable]] = {}
@@ -129,9 +131,14 @@ class DeviceLoRASlots:
         self.host_cache.remove(lora_int_id)
 
     def assign(self, assignment: LoRAAssignment) -> None:
-        """Fills the slot with the adapter, from the host cache or loaded into it again."""
-        adapter = self.host_cache.use(assignment.lora_request, self._load)
+        """Fills the slot with the adapter unless it holds it already, from the host cache (where the
+        adapter is now the most recently used) or loaded into it again."""
+        lora = assignment.lora_request
+        adapter = self.host_cache.use(lora, self._load)
         slot = assignment.slot
+        if self._slot_adapters[slot] == lora.lora_int_id:
+            return
+        self._slot_adapters[slot] = lora.lora_int_id
         for layer in self.layers:
             layer.clear(slot)
         for target, (a, b) in adapter.weights.items():

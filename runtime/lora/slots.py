@@ -8,8 +8,9 @@ Invariants:
 
 A slot whose adapter no running request uses keeps it: the next request for that adapter finds it
 there without a copy. A slot is given to another adapter only when none is empty, the one idle
-longest first. Every change is recorded as a LoRAAssignment, which the step carries to the
-workers (they fill the slot before running the step).
+longest first. Every admission with an adapter is recorded as a LoRAAssignment, which the step
+carries to the workers: they fill the slot where it held another adapter, and either way count the
+adapter as used in their host caches (loading it again from its path if they had evicted it).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class LoRASlots:
                 del self._slot_of[previous.lora_int_id]
             self._adapters[slot] = lora
             self._slot_of[lora.lora_int_id] = slot
-            self._assignments.append(LoRAAssignment(slot, lora))
+        assignment = LoRAAssignment(slot, lora)
+        # Many requests of one adapter in a row say it once.
+        if not self._assignments or self._assignments[-1] != assignment:
+            self._assignments.append(assignment)
         self._users[request_id] = slot
         self._num_users[slot] += 1
         return slot
@@ -68,7 +72,7 @@ class LoRASlots:
                 self._idle_since[slot] = next(self._clock)
 
     def take_assignments(self) -> list[LoRAAssignment]:
-        """The slot changes since the last call, in the order they were made."""
+        """The admissions' assignments since the last call, in the order they were made."""
         assignments, self._assignments = self._assignments, []
         return assignments
 

@@ -64,7 +64,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Filled by the engine core after scheduling; None when no request samples under a grammar.
     grammar_bitmask: GrammarBitmask | None = None
-    # Adapter slots the workers fill before this step, in order (the scheduler's LoRASlots).
+    # The adapters of this step's admissions and their slots, in order (the scheduler's LoRASlots):
+    # the workers fill the slots that held other adapters before this step.
     lora_assignments: list[LoRAAssignment] = field(default_factory=list)
 
     @property
