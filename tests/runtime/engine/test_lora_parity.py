@@ -101,3 +101,8 @@ def test_the_same_on_a_packed_q8_0_base(tiny_llama_dir, adapters, tmp_path_facto
     llm = assert_rows_match(str(gguf), oracles, adapters, 4, seed=5, max_loras=3, tokenizer=str(tiny_llama_dir))
     # The base stayed packed: the adapters ran beside quant_matmul, not on dequantized weights.
     assert llm.engine.executor.model.layers[0].self_attn.qkv_proj.packed is not None
+
+
+def test_the_same_with_async_scheduling(tiny_llama_dir, adapters, oracles):
+    # Slots filled on the model thread while the next step is scheduled.
+    assert_rows_match(str(tiny_llama_dir), oracles, adapters, 8, seed=6, max_loras=2, async_scheduling=True)
