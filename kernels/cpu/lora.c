@@ -12,6 +12,8 @@
 
 /* Below this many multiply-adds a parallel region costs more than it saves. */
 #define PARALLEL_MIN 65536
+/* Output columns one expand tile covers: a vector register or two. */
+#define OUT_BLOCK 16
 
 static inline float dot(const float *a, const float *b, int64_t n)
 {
@@ -31,8 +33,16 @@ int lora_apply_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
         if (slots[t] < -1 || slots[t] >= num_slots)
             return 1;
     float *shrunk = malloc((size_t)(tokens * rank > 0 ? tokens * rank : 1) * sizeof(float));
-    if (!shrunk)
+    /* Which slots some row uses: the expand visits only those. */
+    char *used = calloc((size_t)(num_slots > 0 ? num_slots : 1), 1);
+    if (!shrunk || !used) {
+        free(shrunk);
+        free(used);
         return 2;
+    }
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= 0)
+            used[slots[t]] = 1;
     int parallel = threads > 1 && tokens * rank * (in + out) >= PARALLEL_MIN;
 
     /* Each (row, rank) pair is one dot product over the input: independent, so both loops split. */
@@ -46,17 +56,38 @@ int lora_apply_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
         }
     }
 
-    /* Split over output columns: a decode step has few rows and many columns. Each row's slot
-     * keeps its own lora_b rows, read along the rank (contiguous). */
+    /* Split over blocks of output columns: a decode step has few rows and many columns. Each
+     * block of lora_b's rows (contiguous, [OUT_BLOCK, rank]) is transposed once per slot into a
+     * tile, so that every row using that slot adds rank vectors of OUT_BLOCK outputs: FMAs across
+     * the outputs, with no per-output reduction over the (short) rank. */
     #pragma omp parallel for num_threads(threads) if (parallel)
-    for (int64_t o = 0; o < out; o++) {
-        for (int64_t t = 0; t < tokens; t++) {
-            int64_t slot = slots[t];
-            if (slot < 0)
+    for (int64_t first = 0; first < out; first += OUT_BLOCK) {
+        int64_t width = out - first < OUT_BLOCK ? out - first : OUT_BLOCK;
+        float tile[rank][OUT_BLOCK];
+        for (int64_t slot = 0; slot < num_slots; slot++) {
+            if (!used[slot])
                 continue;
-            y[t * y_stride + o] += dot(shrunk + t * rank, lora_b + (slot * out + o) * rank, rank);
+            const float *b = lora_b + (slot * out + first) * rank;
+            for (int64_t j = 0; j < rank; j++)
+                for (int64_t k = 0; k < OUT_BLOCK; k++)
+                    tile[j][k] = k < width ? b[k * rank + j] : 0.0f;
+            for (int64_t t = 0; t < tokens; t++) {
+                if (slots[t] != slot)
+                    continue;
+                const float *v = shrunk + t * rank;
+                float acc[OUT_BLOCK] = {0.0f};
+                for (int64_t j = 0; j < rank; j++) {
+                    #pragma omp simd
+                    for (int64_t k = 0; k < OUT_BLOCK; k++)
+                        acc[k] += v[j] * tile[j][k];
+                }
+                float *row = y + t * y_stride + first;
+                for (int64_t k = 0; k < width; k++)
+                    row[k] += acc[k];
+            }
         }
     }
+    free(used);
     free(shrunk);
     return 0;
 }

@@ -72,6 +72,9 @@ class EngineCore:
         # (host_cache.py), so this is what they hold, without the weights.
         self.loaded_loras: AdapterLRU[None] | None = \
             AdapterLRU(lora.max_cpu_loras or lora.max_loras) if lora.enable_lora else None
+        # Adapters added and not removed since. A request queued before its adapter was removed
+        # brings it back into the host caches; it is not reported as loaded for that.
+        self._added_lora_ids: set[int] = set()
         # A checkpoint may list several EOS tokens (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>,
         # <|eot_id|>, and a chat turn ends with the last). A request names the first as its EOS; the
         # others end it as stop token ids do, as in vLLM.
@@ -265,6 +268,7 @@ class EngineCore:
         load_adapter(lora_request.lora_name, lora_request.lora_path, self.config.model, self.config.lora.max_lora_rank)
         self._in_model_order(self.executor.add_lora, lora_request)
         self.loaded_loras.use(lora_request, _nothing)
+        self._added_lora_ids.add(lora_request.lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Drops the adapter from the host caches. Requests already queued with it still run: they
@@ -273,6 +277,7 @@ class EngineCore:
             raise ValueError("LoRA is not enabled (--enable-lora)")
         self._in_model_order(self.executor.remove_lora, lora_int_id)
         self.loaded_loras.remove(lora_int_id)
+        self._added_lora_ids.discard(lora_int_id)
 
     def _in_model_order(self, call, *args) -> None:
         """Runs `call` after the steps in flight, on the model thread under async scheduling: the
@@ -311,9 +316,13 @@ class EngineCore:
             scheduling_policy=self.scheduler.policy,
             running_lora_adapters=self.scheduler.running_lora_adapters(),
             waiting_lora_adapters=self.scheduler.waiting_lora_adapters(),
-            loaded_lora_adapters=[] if self.loaded_loras is None
-            else [lora.lora_name for lora in self.loaded_loras.loaded()],
+            loaded_lora_adapters=self._loaded_lora_names(),
         )
+
+    def _loaded_lora_names(self) -> list[str]:
+        if self.loaded_loras is None:
+            return []
+        return [lora.lora_name for lora in self.loaded_loras.loaded() if lora.lora_int_id in self._added_lora_ids]
 
 
 def _nothing(lora_request: LoRARequest) -> None:

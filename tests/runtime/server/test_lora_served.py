@@ -96,6 +96,11 @@ def merged_greedy(base_dir, adapter_dir, prompt: list[int], new_tokens: int) -> 
     return out[0, len(prompt):].tolist()
 
 
+def loaded_adapters(server) -> set[str]:
+    return {dict(labels)["lora_name"] for (name, labels), value in server.metrics().items()
+            if name == "kvpilot:lora_adapter_loaded" and value == 1}
+
+
 def test_a_request_names_its_adapter_as_the_model(lora_server, tiny_llama_dir, adapter_dirs):
     response = complete(lora_server, "alpha-lora")
     assert response.json()["model"] == "alpha-lora"
@@ -133,8 +138,10 @@ def test_load_use_unload_and_use_again_is_a_404_without_a_restart(lora_server, a
     assert response.status_code == 200 and "live" in response.text
     assert_openai_error(load(lora_server, "live", adapter_dirs["live"]), 400, param="lora_name")
     assert tokens(complete(lora_server, "live"))
+    assert "live" in loaded_adapters(lora_server)
     assert unload(lora_server, "live").status_code == 200
     assert_openai_error(complete(lora_server, "live"), 404, "model_not_found")
+    assert "live" not in loaded_adapters(lora_server)
     assert "live" not in listed(lora_server, headers=ADMIN)
     assert_openai_error(unload(lora_server, "live"), 404, "not_found")
 
@@ -152,11 +159,6 @@ def test_a_bad_adapter_gets_a_400_naming_it_and_the_rest_keeps_serving(lora_serv
     assert re.search(f"'{name}'.*{problem}", error["message"]), error["message"]
     assert name not in listed(lora_server, headers=ADMIN)
     assert tokens(complete(lora_server, "alpha-lora"))
-
-
-def loaded_adapters(server) -> set[str]:
-    return {dict(labels)["lora_name"] for (name, labels), value in server.metrics().items()
-            if name == "kvpilot:lora_adapter_loaded" and value == 1}
 
 
 def test_loading_past_max_cpu_loras_evicts_the_least_recently_used_which_reloads_on_demand(lora_server, adapter_dirs):
