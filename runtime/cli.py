@@ -409,6 +409,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling_defaults = generation_defaults(model_dir, args.generation_config)
     except ValueError as err:
         parser.error(_named_by_flag(str(err)))
+    _check_lora_modules(args.lora_modules, engine_config, parser)
     if sampling_defaults:
         print(f"kvpilot serve: sampling defaults from the model's generation config: {sampling_defaults} "
               "(--generation-config vllm ignores them)", file=sys.stderr)
@@ -430,6 +431,18 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # The engine or the tokenizer failed to load; the message says why.
         print(f"kvpilot serve: error: {err}", file=sys.stderr)
         return 1
+
+
+def _check_lora_modules(modules: list[tuple[str, str]], engine_config, parser: argparse.ArgumentParser) -> None:
+    """A usage error naming the adapter and the problem, before the engine starts, for an adapter
+    of --lora-modules that does not fit the model."""
+    from kvpilot.runtime.lora.adapter import LoRAAdapterError, load_adapter
+
+    for name, path in modules:
+        try:
+            load_adapter(name, path, engine_config.model, engine_config.lora.max_lora_rank)
+        except LoRAAdapterError as err:
+            parser.error(f"argument --lora-modules: {err}")
 
 
 def _lora_module(text: str) -> tuple[str, str]:

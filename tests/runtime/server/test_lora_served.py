@@ -197,3 +197,19 @@ def test_lora_requests_info_is_vllms_gauge(lora_server):
 
 def test_the_load_routes_are_404_without_an_admin_token(server):
     assert_openai_error(load(server, "x", "/nowhere"), 404, "not_found")
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--lora-modules", "sql"], "argument --lora-modules: expected NAME=PATH, got 'sql'"),
+    (["--lora-modules", '{"name": "sql"}'], 'argument --lora-modules: expected {"name": ..., "path": ...}'),
+    (["--lora-modules", "sql=/adapters/sql"], "argument --lora-modules: needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/nowhere"}'],
+     "argument --lora-modules: LoRA adapter 'sql' (/nowhere): no adapter_config.json"),
+])
+def test_bad_lora_modules_are_usage_errors_before_the_engine_starts(capsys, tiny_llama_dir, argv, complaint):
+    from kvpilot.runtime import cli
+
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["serve", str(tiny_llama_dir), *argv])
+    assert raised.value.code == 2
+    assert complaint in capsys.readouterr().err
