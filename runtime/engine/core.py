@@ -126,9 +126,7 @@ class EngineCore:
         """Queue the request; returns its final output instead when the output it was resumed with
         already ends it (see Scheduler.add_request)."""
         self.validate(request.prompt_token_ids, request.sampling_params, request.output_token_ids)
-        if request.lora_request is not None and self.loaded_loras is None:
-            raise ValueError(f"request {request.request_id!r} names the LoRA adapter "
-                             f"{request.lora_request.lora_name!r}, but LoRA is not enabled (--enable-lora)")
+        self._check_lora(request)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if self._other_eos_token_ids and not request.sampling_params.ignore_eos:
@@ -258,6 +256,18 @@ class EngineCore:
             # A resumed request was queued once already; only the first wait counts.
             if request.num_preemptions == 0:
                 self._queue_times[new.req_id] = now - request.arrival_time
+
+    def _check_lora(self, request: Request) -> None:
+        lora = request.lora_request
+        if lora is None:
+            return
+        if self.loaded_loras is None:
+            raise ValueError(f"request {request.request_id!r} names the LoRA adapter {lora.lora_name!r}, "
+                             "but LoRA is not enabled (--enable-lora)")
+        if lora.lora_int_id not in self.loaded_loras:
+            # Evicted from host memory: the workers will read it from its folder again. A folder
+            # gone or broken since is this request's error here, not a worker's failure later.
+            load_adapter(lora.lora_name, lora.lora_path, self.config.model, self.config.lora.max_lora_rank)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Loads the adapter into the workers' host caches; LoRAAdapterError (naming the adapter and

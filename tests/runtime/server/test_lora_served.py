@@ -175,6 +175,20 @@ def test_loading_past_max_cpu_loras_evicts_the_least_recently_used_which_reloads
     assert "lru-a" in listed(lora_server, headers=ADMIN)
 
 
+def test_an_evicted_adapter_whose_folder_is_gone_fails_its_request_not_the_engine(lora_server, adapter_dirs,
+                                                                                  tmp_path):
+    doomed = shutil.copytree(adapter_dirs["live"], tmp_path / "doomed")
+    assert load(lora_server, "doomed", doomed).status_code == 200
+    for model in ("alpha-lora", "shared"):
+        assert tokens(complete(lora_server, model))
+    assert "doomed" not in loaded_adapters(lora_server)
+    shutil.rmtree(doomed)
+    error = assert_openai_error(complete(lora_server, "doomed"), 400)
+    assert "'doomed'" in error["message"] and "no adapter_config.json" in error["message"]
+    assert tokens(complete(lora_server, "alpha-lora"))
+    assert unload(lora_server, "doomed").status_code == 200
+
+
 def test_two_adapters_on_the_same_prompt_share_no_prefix_cache_blocks(lora_server):
     prompt = list(range(100, 140))
     tokens(complete(lora_server, "alpha-lora", prompt=prompt))
