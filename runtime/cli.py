@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import re
 import sys
@@ -259,6 +260,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                            "(the operator keeps one current, so that a restarting pod starts with the policy its "
                            "engine runs now)")
     _add_limit_flags(http)
+    http.add_argument("--lora-modules", metavar="NAME=PATH", nargs="+", action="extend", type=_lora_module,
+                      default=[], help='LoRA adapters (PEFT folders) to load at start, each served as the model '
+                      'NAME; also a JSON object {"name": ..., "path": ...}; needs --enable-lora')
     tools = sub.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer tool_choice "auto" (the default with tools): the model decides, and '
@@ -389,6 +393,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument --admin-token-file: {err}")
     if args.scheduling_policy_file is not None:
         args.scheduling_policy = _policy_from_file(args.scheduling_policy_file, parser)
+    if args.lora_modules and not args.enable_lora:
+        parser.error("argument --lora-modules: needs --enable-lora")
     if args.model_dir is None:
         try:
             model_dir, default_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
@@ -403,6 +409,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling_defaults = generation_defaults(model_dir, args.generation_config)
     except ValueError as err:
         parser.error(_named_by_flag(str(err)))
+    _check_lora_modules(args.lora_modules, engine_config, parser)
     if engine_config.parallel.headless:
         # This host's ranks only: host 0 serves the API and runs the EngineCore.
         from kvpilot.runtime.engine.core import default_device
@@ -421,6 +428,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling_defaults=sampling_defaults,
         limits=ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)}),
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
+        lora_modules=args.lora_modules,
     )
     try:
         return run_server(engine_config, config, host=args.host, port=args.port,
@@ -429,6 +437,35 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # The engine or the tokenizer failed to load; the message says why.
         print(f"kvpilot serve: error: {err}", file=sys.stderr)
         return 1
+
+
+def _check_lora_modules(modules: list[tuple[str, str]], engine_config, parser: argparse.ArgumentParser) -> None:
+    """A usage error naming the adapter and the problem, before the engine starts, for an adapter
+    of --lora-modules that does not fit the model."""
+    from kvpilot.runtime.lora.adapter import LoRAAdapterError, load_adapter
+
+    for name, path in modules:
+        try:
+            load_adapter(name, path, engine_config.model, engine_config.lora.max_lora_rank)
+        except LoRAAdapterError as err:
+            parser.error(f"argument --lora-modules: {err}")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            module = json.loads(text)
+        except ValueError:
+            module = None
+        if not (isinstance(module, dict) and isinstance(module.get("name"), str) and module["name"]
+                and isinstance(module.get("path"), str) and module["path"]):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {text!r}')
+        return module["name"], module["path"]
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _add_http_server_flags(group: argparse._ArgumentGroup) -> None:

@@ -482,8 +482,9 @@ class _EngineArgsMethods:
         _check_tensor_parallel(model, parallel.tensor_parallel_size)
         _check_layout(parallel)
         lora = LoRAConfig(**groups["lora"])
-        _require(not lora.enable_lora, "enable_lora", "is not supported yet: LoRA adapters are not wired into the "
-                 "engine")
+        # A host cache smaller than the slots would read adapters in use from disk again and again.
+        _require(lora.max_cpu_loras is None or lora.max_cpu_loras >= lora.max_loras, "max_cpu_loras",
+                 f"({lora.max_cpu_loras}) must be at least max_loras ({lora.max_loras})")
         return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]), scheduler=scheduler,
                             parallel=parallel, lora=lora)
 

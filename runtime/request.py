@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
 # Below this temperature sampling is argmax, as in vLLM.
@@ -163,8 +164,10 @@ class Request:
         cache_salt: str | None = None,
         max_model_len: int | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """`resume_token_ids`: output this request produced before, elsewhere (a stream resumed on
+        """`lora_request`: the adapter the request runs with (None: the base model alone).
+        `resume_token_ids`: output this request produced before, elsewhere (a stream resumed on
         another replica). It is output like any other: it counts toward max_tokens, min_tokens and
         the penalties, and is computed again as a request preempted by recompute is."""
         self.request_id = request_id
@@ -174,6 +177,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         # Checked after every sampled token: a set, so that a long list costs nothing per token.
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         # Every token that can stop the request once min_tokens are out: one lookup per token.

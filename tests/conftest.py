@@ -39,6 +39,14 @@ def smollm2_gguf() -> Path:
     return ensure_default_model(Path(__file__).parents[1] / ".cache" / "kvpilot")
 
 
+@pytest.fixture(scope="session")
+def make_peft_adapter() -> Callable[..., Path]:
+    """`make_peft_adapter(base_dir, out_dir, seed=0, **lora_config)`: a PEFT LoRA adapter folder made
+    on the checkpoint (rank 4, alpha 8 on q, v and down unless told), with random non-zero B matrices
+    (PEFT's default zeros would change nothing)."""
+    return _make_peft_adapter
+
+
 @pytest.fixture
 def edited_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     """`edited_checkpoint(source, **fields)`: a copy of a checkpoint folder whose config.json has
@@ -60,3 +68,15 @@ def _make(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any) ->
     from kvpilot.runtime.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp(name), **kwargs)
+
+
+def _make_peft_adapter(base_dir: Path, out_dir: Path, seed: int = 0, **lora_config: Any) -> Path:
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], **lora_config}
+    peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **options)).save_pretrained(out_dir)
+    return out_dir

@@ -157,7 +157,9 @@ class BlockPool:
         if self.kv_events is not None:
             # A duplicate skipped above is cached all the same (in the other request's block).
             parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            self.kv_events.stored(request.block_hashes[num_cached_blocks:num_full_blocks], parent)
+            lora = request.lora_request
+            self.kv_events.stored(request.block_hashes[num_cached_blocks:num_full_blocks], parent,
+                                  lora and lora.lora_int_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         for block in ordered_blocks:

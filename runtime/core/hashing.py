@@ -31,15 +31,24 @@ def hash_block_tokens(
     return hashlib.sha256(encoded.encode("ascii")).digest()
 
 
+def first_block_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -> tuple | None:
+    """What the first block's hash mixes in besides its tokens: the cache salt, and the LoRA
+    adapter's id, so that two adapters (or an adapter and the base model) never share KV. Keying
+    the first block is enough: the chain carries it into every later hash."""
+    if lora_int_id is None:
+        return None if cache_salt is None else (cache_salt,)
+    return (cache_salt, lora_int_id)
+
+
 def hash_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str | None, *,
-                start: int = 0, parent: BlockHash | None = None) -> list[BlockHash]:
+                start: int = 0, parent: BlockHash | None = None, lora_int_id: int | None = None) -> list[BlockHash]:
     """The hashes of the full blocks of `token_ids` from block `start` on; `parent` is the hash of
     block `start - 1`. The router hashes a prompt with this, as the engine does, to know which
     replica holds its blocks."""
     hashes = []
+    first_keys = first_block_extra_keys(cache_salt, lora_int_id)
     for i in range(start, len(token_ids) // block_size):
-        # Salting the first block is enough: the chain carries it into every later hash.
-        extra_keys = (cache_salt,) if i == 0 and cache_salt is not None else None
+        extra_keys = first_keys if i == 0 else None
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
@@ -48,5 +57,6 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str | Non
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Hash the full blocks of the request's tokens that have no hash yet."""
     hashes = request.block_hashes
+    lora = request.lora_request
     hashes += hash_blocks(request.all_token_ids, block_size, request.cache_salt, start=len(hashes),
-                          parent=hashes[-1] if hashes else None)
+                          parent=hashes[-1] if hashes else None, lora_int_id=lora and lora.lora_int_id)

@@ -89,8 +89,9 @@ class KVEventLog:
         self.block_size = block_size
         self._events: list[KVCacheEvent] = []
 
-    def stored(self, block_hashes: list[BlockHash], parent: BlockHash | None) -> None:
-        self._events.append(BlockStored(block_hashes, parent, [], self.block_size))
+    def stored(self, block_hashes: list[BlockHash], parent: BlockHash | None, lora_id: int | None = None) -> None:
+        """`lora_id`: the LoRA adapter whose KV the blocks hold (vLLM's field), None for the base model."""
+        self._events.append(BlockStored(block_hashes, parent, [], self.block_size, lora_id))
 
     def removed(self, block_hash: BlockHash) -> None:
         # Blocks are evicted one at a time, usually many in a row: one event carries the run.

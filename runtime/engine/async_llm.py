@@ -18,6 +18,7 @@ from kvpilot.runtime.engine.core_client import EngineCoreClient, EngineDeadError
 from kvpilot.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, Utility
 from kvpilot.runtime.engine.output_processor import OutputProcessor, StatLogger, StreamOutput
 from kvpilot.runtime.engine.validation import validate_request
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.request import ParamError, SamplingParams
 
@@ -133,6 +134,7 @@ class AsyncLLM:
         tenant: str | None = None,
         max_buffered_outputs: int | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream deltas until every one of the params.n choices finished.
 
@@ -146,6 +148,7 @@ class AsyncLLM:
         deltas it left.
         `resume_token_ids` (n == 1 only) continues output produced elsewhere: the deltas carry only
         what follows it, and num_output_tokens counts it (see Request).
+        `lora_request`: the LoRA adapter the request runs with (None: the base model).
         """
         self.engine_core.ensure_running()
         self.validate(prompt_token_ids, params, resume_token_ids)
@@ -158,7 +161,7 @@ class AsyncLLM:
             EngineCoreRequest(
                 request_id=f"{request_id}-{call}-{index}", prompt_token_ids=prompt_token_ids,
                 sampling_params=params.for_choice(index), eos_token_id=self.eos_token_id, priority=priority,
-                cache_salt=cache_salt, resume_token_ids=list(resume_token_ids),
+                cache_salt=cache_salt, resume_token_ids=list(resume_token_ids), lora_request=lora_request,
             )
             for index in range(params.n)
         ]
@@ -230,6 +233,15 @@ class AsyncLLM:
         await self.engine_core.call_utility(Utility.SET_SCHEDULING_POLICY, policy)
 
     # -- observers ------------------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads the adapter in the engine; ValueError naming the adapter and the problem when it
+        does not fit the model (the engine keeps serving)."""
+        await self.engine_core.call_utility(Utility.ADD_LORA, lora_request.lora_name,
+                                            str(lora_request.lora_int_id), lora_request.lora_path)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await self.engine_core.call_utility(Utility.REMOVE_LORA, str(lora_int_id))
 
     def add_stat_logger(self, logger: StatLogger) -> None:
         self.output_processor.stat_loggers.append(logger)

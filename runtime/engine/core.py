@@ -33,6 +33,10 @@ from kvpilot.runtime.core.sched.scheduler import Scheduler
 from kvpilot.runtime.engine.kv_event_publisher import KVEventPublisher
 from kvpilot.runtime.engine.messages import EngineStats
 from kvpilot.runtime.engine.validation import validate_request
+from kvpilot.runtime.lora.adapter import load_adapter
+from kvpilot.runtime.lora.host_cache import AdapterLRU
+from kvpilot.runtime.lora.request import LoRARequest
+from kvpilot.runtime.lora.slots import LoRASlots
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request, RequestStatus
@@ -61,7 +65,16 @@ class EngineCore:
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             enable_kv_cache_events=publishes_kv_events,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        lora = config.lora
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
+                                   LoRASlots(lora.max_loras) if lora.enable_lora else None)
+        # The adapters the workers hold in host memory: the same calls as theirs, in the same order
+        # (host_cache.py), so this is what they hold, without the weights.
+        self.loaded_loras: AdapterLRU[None] | None = \
+            AdapterLRU(lora.max_cpu_loras or lora.max_loras) if lora.enable_lora else None
+        # Adapters added and not removed since. A request queued before its adapter was removed
+        # brings it back into the host caches; it is not reported as loaded for that.
+        self._added_lora_ids: set[int] = set()
         # A checkpoint may list several EOS tokens (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>,
         # <|eot_id|>, and a chat turn ends with the last). A request names the first as its EOS; the
         # others end it as stop token ids do, as in vLLM.
@@ -113,6 +126,7 @@ class EngineCore:
         """Queue the request; returns its final output instead when the output it was resumed with
         already ends it (see Scheduler.add_request)."""
         self.validate(request.prompt_token_ids, request.sampling_params, request.output_token_ids)
+        self._check_lora(request)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if self._other_eos_token_ids and not request.sampling_params.ignore_eos:
@@ -185,6 +199,8 @@ class EngineCore:
             # failing beats spinning forever.
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting requests")
         self._note_queue_times(scheduler_output)
+        for assignment in scheduler_output.lora_assignments:
+            self.loaded_loras.use(assignment.lora_request, _nothing)
         scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
         return scheduler_output
 
@@ -241,6 +257,46 @@ class EngineCore:
             if request.num_preemptions == 0:
                 self._queue_times[new.req_id] = now - request.arrival_time
 
+    def _check_lora(self, request: Request) -> None:
+        lora = request.lora_request
+        if lora is None:
+            return
+        if self.loaded_loras is None:
+            raise ValueError(f"request {request.request_id!r} names the LoRA adapter {lora.lora_name!r}, "
+                             "but LoRA is not enabled (--enable-lora)")
+        if lora.lora_int_id not in self.loaded_loras:
+            # Evicted from host memory: the workers will read it from its folder again. A folder
+            # gone or broken since is this request's error here, not a worker's failure later.
+            load_adapter(lora.lora_name, lora.lora_path, self.config.model, self.config.lora.max_lora_rank)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads the adapter into the workers' host caches; LoRAAdapterError (naming the adapter and
+        the problem) when it does not fit the model, with nothing changed."""
+        if self.loaded_loras is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        # Read here first: a worker that failed to load it would fail the engine.
+        load_adapter(lora_request.lora_name, lora_request.lora_path, self.config.model, self.config.lora.max_lora_rank)
+        self._in_model_order(self.executor.add_lora, lora_request)
+        self.loaded_loras.use(lora_request, _nothing)
+        self._added_lora_ids.add(lora_request.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drops the adapter from the host caches. Requests already queued with it still run: they
+        carry its path, and a slot is filled from it again if need be."""
+        if self.loaded_loras is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        self._in_model_order(self.executor.remove_lora, lora_int_id)
+        self.loaded_loras.remove(lora_int_id)
+        self._added_lora_ids.discard(lora_int_id)
+
+    def _in_model_order(self, call, *args) -> None:
+        """Runs `call` after the steps in flight, on the model thread under async scheduling: the
+        workers' host caches change in the order the steps were scheduled in."""
+        if self._model_thread is None:
+            call(*args)
+        else:
+            self._model_thread.submit(call, *args).result()
+
     def set_scheduling_policy(self, policy: str) -> None:
         self.scheduler.set_policy(policy)
 
@@ -268,4 +324,16 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             scheduling_policy=self.scheduler.policy,
+            running_lora_adapters=self.scheduler.running_lora_adapters(),
+            waiting_lora_adapters=self.scheduler.waiting_lora_adapters(),
+            loaded_lora_adapters=self._loaded_lora_names(),
         )
+
+    def _loaded_lora_names(self) -> list[str]:
+        if self.loaded_loras is None:
+            return []
+        return [lora.lora_name for lora in self.loaded_loras.loaded() if lora.lora_int_id in self._added_lora_ids]
+
+
+def _nothing(lora_request: LoRARequest) -> None:
+    """The EngineCore's host cache holds names only: loading is the workers'."""

@@ -31,6 +31,7 @@ from kvpilot.runtime.engine.messages import (
     UtilityResult,
 )
 from kvpilot.runtime.engine.parent_watch import exit_with_parent, remove_if_orphaned
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request
 
@@ -50,6 +51,8 @@ _UTILITIES: dict[Utility, Callable[..., object]] = {
     Utility.GET_STATS: lambda core: core.get_stats(),
     Utility.RESET_PREFIX_CACHE: lambda core: core.reset_prefix_cache(),
     Utility.SET_SCHEDULING_POLICY: lambda core, policy: core.set_scheduling_policy(policy),
+    Utility.ADD_LORA: lambda core, name, lora_id, path: core.add_lora(LoRARequest(name, int(lora_id), path)),
+    Utility.REMOVE_LORA: lambda core, lora_id: core.remove_lora(int(lora_id)),
 }
 
 
@@ -183,6 +186,7 @@ class _EngineLoop:
             message.request_id, message.prompt_token_ids, message.sampling_params,
             eos_token_id=message.eos_token_id, priority=message.priority, cache_salt=message.cache_salt,
             max_model_len=self.core.config.scheduler.max_model_len, resume_token_ids=message.resume_token_ids,
+            lora_request=message.lora_request,
         )
         try:
             finished = self.core.add_request(request)

@@ -12,6 +12,7 @@ from typing import Sequence
 from kvpilot.runtime.config import EngineArgs
 from kvpilot.runtime.engine.core import EngineCore, EngineStats
 from kvpilot.runtime.engine.output_processor import OutputProcessor, StreamOutput
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
 from kvpilot.runtime.request import Request, SamplingParams
@@ -36,33 +37,42 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in input order.
 
         `cache_salt` (one for all prompts, or one per prompt) keeps prefix-cache hits among the
-        requests that share it, as the server's per-request field does.
+        requests that share it, as the server's per-request field does. `lora_request` (one for
+        all prompts, or one per prompt, None for the base model) names each prompt's adapter; one
+        not loaded yet is loaded first (LoRAAdapterError when it does not fit the model).
         """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt")
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         # Everything is checked before anything is queued, so a bad prompt leaves the engine as it was.
         token_ids = [self._tokenize(p) for p in prompts]
         for ids, p in zip(token_ids, params):
             self.engine.validate(ids, p.for_choice(0))
             if p.structured_outputs is not None:
                 check_grammar(p.structured_outputs)
+        for lora in dict.fromkeys(loras):
+            loaded = self.engine.loaded_loras
+            if lora is not None and (loaded is None or lora.lora_int_id not in loaded):
+                self.engine.add_lora(lora)
 
         # n > 1 runs as n independent requests (choices), as the serving frontend does.
         streams: list[list[list[StreamOutput]]] = []
         try:
-            for ids, p, prio, salt in zip(token_ids, params, priorities, salts):
+            for ids, p, prio, salt, lora in zip(token_ids, params, priorities, salts, loras):
                 request_id = str(next(self._request_counter))
                 streams.append([[] for _ in range(p.n)])
                 for index in range(p.n):
                     request = Request(request_id if p.n == 1 else f"{index}_{request_id}", ids,
                                       p.for_choice(index), eos_token_id=self.eos_token_id, priority=prio,
-                                      cache_salt=salt, max_model_len=self.config.scheduler.max_model_len)
+                                      cache_salt=salt, max_model_len=self.config.scheduler.max_model_len,
+                                      lora_request=lora)
                     self.output_processor.add_request(request_id, request.request_id, index,
                                                       request.sampling_params, ids, streams[-1][index].append,
                                                       num_choices=p.n)

@@ -14,6 +14,7 @@ import enum
 import msgspec
 
 from kvpilot.runtime.config import SchedulingPolicy
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import SamplingParams
 
@@ -31,6 +32,9 @@ class Utility(enum.Enum):
     GET_STATS = "get_stats"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     SET_SCHEDULING_POLICY = "set_scheduling_policy"
+    # vLLM's names: load an adapter into the workers' host caches (args: name, id, path), drop one (id).
+    ADD_LORA = "add_lora"
+    REMOVE_LORA = "remove_lora"
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -42,6 +46,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     # Output already produced elsewhere, which the request continues (see Request).
     resume_token_ids: list[int] = []
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True):
@@ -58,6 +63,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     scheduling_policy: SchedulingPolicy
+    # LoRA adapter names: those running requests use, those waiting requests name (vLLM's
+    # vllm:lora_requests_info), and those the workers hold in host memory.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    loaded_lora_adapters: list[str] = []
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

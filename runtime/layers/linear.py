@@ -6,7 +6,7 @@ tensor (`load`), so a checkpoint is loaded the same way at any TP size.
 A checkpoint weight is a float tensor or a PackedWeight (kept quantized). A layer given packed
 weights holds them in `packed` (one per fused part) and multiplies with `quant_matmul`; its float
 `weight` parameter is then emptied. Every linear layer computes through `matmul(x)` (no bias, no
-communication), so a wrapper (LoRA) can add to it whatever the weights are.
+communication), and adds the LoRA adapters' products there (`lora`), whatever the weights are.
 Shards of packed weights are whole rows (column-parallel) or whole quantization blocks
 (row-parallel: a boundary inside a block is a ValueError, which the model's loader names).
 """
@@ -46,6 +46,8 @@ class _PackedHolder(nn.Module):
     packed: list[PackedWeight | None] | None = None
     # Whether a fused part came as a float tensor: one layer's parts are all packed or all float.
     float_loaded = False
+    # The layer's adapter slots (runtime/lora/device_slots.py), when the engine serves LoRA adapters.
+    lora = None
 
     def _hold_packed(self, index: int, parts: int, shard: PackedWeight) -> None:
         if self.float_loaded:
@@ -62,12 +64,16 @@ class _PackedHolder(nn.Module):
         return self.packed[0].cols if self.packed is not None else self.weight.shape[1]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for this rank's shard, no bias: what a LoRA wrapper adds its own product to."""
+        """x @ W.T for this rank's shard, no bias, plus each row's adapter product where it has one."""
         if self.packed is None:
-            return F.linear(x, self.weight)
-        if len(self.packed) == 1:
-            return _packed_matmul(x, self.packed[0])
-        return torch.cat([_packed_matmul(x, part) for part in self.packed], dim=-1)
+            out = F.linear(x, self.weight)
+        elif len(self.packed) == 1:
+            out = _packed_matmul(x, self.packed[0])
+        else:
+            out = torch.cat([_packed_matmul(x, part) for part in self.packed], dim=-1)
+        if self.lora is not None:
+            self.lora.add_to(out, x)
+        return out
 
 
 class ColumnParallelLinear(_PackedHolder):

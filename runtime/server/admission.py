@@ -17,7 +17,7 @@ from collections.abc import Callable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpilot.runtime.server.auth import Authenticator
+from kvpilot.runtime.server.auth import AdminToken, Authenticator
 from kvpilot.runtime.server.connections import OVER_CAPACITY
 from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.state import ServerState
@@ -27,8 +27,13 @@ from kvpilot.runtime.server.tenants import Tenant, TenantRegistry
 # while draining or dead; /kv_events tells routers where this engine's cache events are published
 # (sockets that take no key either).
 OBSERVATION_PATHS = frozenset({"/health", "/metrics", "/version", "/kv_events"})
-# Guarded by the admin token instead of an API key (api_server.py checks it).
+# Guarded by the admin token instead of an API key (api_server.py checks it): /admin/*, and vLLM's
+# routes that load and unload LoRA adapters.
 ADMIN_PREFIX = "/admin/"
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# Where the admin token is taken in place of an API key, and shows everything (every loaded adapter,
+# whichever tenants may use it): request.state.admin is then True.
+ADMIN_VIEW_PATHS = frozenset({"/v1/models"})
 # What a 429 (or a 503 for want of connections) tells the client to wait: a tenant's sequences,
 # and connections, free up as requests finish.
 RETRY_AFTER_S = 1
@@ -69,13 +74,15 @@ class TenantSequences:
 class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, state: ServerState, authenticator: Authenticator,
                  tenants: TenantRegistry | None,
-                 count_response: Callable[[int, Tenant | None], None] = lambda status, tenant: None) -> None:
+                 count_response: Callable[[int, Tenant | None], None] = lambda status, tenant: None,
+                 admin_token: AdminToken | None = None) -> None:
         """`count_response(status, tenant)` hears the status of every answer it lets through or gives."""
         self.app = app
         self.state = state
         self.authenticator = authenticator
         self.tenants = tenants
         self.count_response = count_response
+        self.admin_token = admin_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OBSERVATION_PATHS:
@@ -88,7 +95,7 @@ class AdmissionMiddleware:
             await err.response()(scope, receive, send)
             return
         sequences = TenantSequences(self.tenants, tenant)
-        # Routes read them as request.state.tenant and request.state.sequences.
+        # Routes read them as request.state.tenant and request.state.sequences (and .admin).
         scope.setdefault("state", {}).update(tenant=tenant, sequences=sequences)
         response_started = streaming = False
 
@@ -128,6 +135,10 @@ class AdmissionMiddleware:
             raise APIError(503, f"the engine is not running: {self.state.dead_reason}", code="engine_dead")
         if self.state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if scope["path"].startswith(ADMIN_PREFIX):
+        path = scope["path"]
+        if path.startswith(ADMIN_PREFIX) or path in ADMIN_PATHS:
             return None
-        return self.authenticator.authenticate(Headers(scope=scope))
+        headers = Headers(scope=scope)
+        admin = path in ADMIN_VIEW_PATHS and self.admin_token is not None and self.admin_token.matches(headers)
+        scope.setdefault("state", {})["admin"] = admin
+        return None if admin else self.authenticator.authenticate(headers)

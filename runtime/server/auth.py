@@ -90,6 +90,14 @@ class AdminToken:
             raise ValueError(f"admin token file {self.path} is empty")
         return token
 
+    def matches(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request carries the admin token (False when the token is unavailable)."""
+        try:
+            self.check(headers)
+        except APIError:
+            return False
+        return True
+
     def check(self, headers: Mapping[str, str]) -> None:
         given = bearer_token(headers)
         try:

@@ -32,7 +32,7 @@ from kvpilot.runtime.structured_output.params import StructuredOutputsParams
 
 async def create_chat_completion(body: ChatCompletionRequest, http_request: Request, serving: Serving,
                                  template: ChatTemplate, tool_settings: ToolSettings) -> Response:
-    serving.check_model(body.model)
+    lora_request = serving.check_model(body.model, http_request.state.tenant)
     refuse_resume_with(body, {"tools": bool(body.tools), "echo": body.echo})
     tools = tool_use(body, tool_settings)
     prompt_token_ids = await serving.chat_prompt_token_ids(
@@ -44,9 +44,10 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
     request = serving.engine_request(
         body, prompt_token_ids, prompt_param="messages", max_tokens=body.max_new_tokens,
         logprobs=body.num_logprobs, tenant=http_request.state.tenant, request_id=request_id,
-        structured_outputs=structured_outputs,
+        structured_outputs=structured_outputs, lora_request=lora_request,
     )
-    response_format = ChatFormat(request_id, serving.model_name, body.n, body.num_logprobs, tools,
+    model_name = serving.model_name if lora_request is None else lora_request.lora_name
+    response_format = ChatFormat(request_id, model_name, body.n, body.num_logprobs, tools,
                                  echoed=body.echoed_text,
                                  prompt_token_ids=prompt_token_ids if body.return_token_ids else None)
     return await serving.respond(http_request, request, response_format, stream=body.stream,

@@ -25,7 +25,7 @@ from kvpilot.runtime.server.serving import Choice, Serving, logprob_value, new_r
 
 
 async def create_completion(body: CompletionRequest, http_request: Request, serving: Serving) -> Response:
-    serving.check_model(body.model)
+    lora_request = serving.check_model(body.model, http_request.state.tenant)
     prompts = body.prompts
     refuse_resume_with(body, {"a list of prompts": len(prompts) > 1, "echo": body.echo})
     # A lone prompt's n is checked with the other limits (param "n").
@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
     requests = [serving.engine_request(
         body, ids, prompt_param="prompt", max_tokens=body.max_tokens, logprobs=body.logprobs,
         tenant=http_request.state.tenant, request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}",
-        prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+        prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs, lora_request=lora_request,
     ) for index, ids in enumerate(prompt_token_ids)]
     echoed = None
     if body.echo:
@@ -50,7 +50,8 @@ async def create_completion(body: CompletionRequest, http_request: Request, serv
             text=prompt if isinstance(prompt, str) else await serving.tokenizers.decode(ids, skip_special_tokens=False),
             token_ids=ids, first_token=await serving.tokenizers.decode(ids[:1], skip_special_tokens=False),
         ) for prompt, ids in zip(prompts, prompt_token_ids)]
-    response_format = CompletionFormat(request_id, serving.model_name, body.logprobs, n=body.n, echoed=echoed,
+    model_name = serving.model_name if lora_request is None else lora_request.lora_name
+    response_format = CompletionFormat(request_id, model_name, body.logprobs, n=body.n, echoed=echoed,
                                        prompt_logprobs=body.prompt_logprobs,
                                        prompt_token_ids=prompt_token_ids if body.return_token_ids else None)
     return await serving.respond(http_request, requests, response_format, stream=body.stream,

@@ -517,6 +517,19 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(RequestBody):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+
+
 class SchedulingPolicyRequest(RequestBody):
     policy: str
 

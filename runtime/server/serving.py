@@ -27,12 +27,14 @@ from kvpilot.runtime.engine.async_llm import AsyncLLM, SlowConsumerError
 from kvpilot.runtime.engine.bad_words import bad_words_token_ids
 from kvpilot.runtime.engine.core_client import EngineDeadError
 from kvpilot.runtime.engine.output_processor import StreamOutput
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.outputs import Logprob
 from kvpilot.runtime.models.generation_config import SAMPLING_KEYS
 from kvpilot.runtime.request import SamplingParams
 from kvpilot.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kvpilot.runtime.server.errors import APIError, bad_request, sse_error
 from kvpilot.runtime.server.limits import ServerLimits
+from kvpilot.runtime.server.lora_adapters import ServedAdapters
 from kvpilot.runtime.server.prompt_batch import merged
 from kvpilot.runtime.server.protocol import ChatMessage, GenerationRequest, Usage
 from kvpilot.runtime.server.streaming import StallingStreamingResponse
@@ -61,6 +63,8 @@ class EngineRequest:
     tenant: str | None
     # The output it continues (the request's resume_token_ids).
     resume_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter its `model` names (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -190,6 +194,7 @@ class Serving:
         self.tenants = tenants
         self.limits = limits
         self.tokenizers = tokenizers
+        self.adapters = ServedAdapters(engine, model_name, tenants)
         # The model's generation config: it replaces OpenAI's defaults, never a field the client set.
         self.sampling_defaults = sampling_defaults or {}
         # Called once per request aborted because its client stopped reading (a metric).
@@ -237,15 +242,16 @@ class Serving:
         except UnsupportedGrammar as err:
             raise bad_request(f"{field}: {err}", field) from err
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r})",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None, tenant: Tenant | None = None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a model this server does
+        not serve, or an adapter the tenant may not use."""
+        return self.adapters.resolve(model, tenant)
 
     def engine_request(self, body: GenerationRequest, prompt_token_ids: list[int], *, prompt_param: str,
                        max_tokens: int | None, logprobs: int | None, tenant: Tenant | None,
                        request_id: str, prompt_logprobs: int | None = None,
-                       structured_outputs: StructuredOutputsParams | None = None) -> EngineRequest:
+                       structured_outputs: StructuredOutputsParams | None = None,
+                       lora_request: LoRARequest | None = None) -> EngineRequest:
         """Checks the request against the model and the limits, and applies the tenant's priority and salt.
 
         `structured_outputs` is the constraint `structured_outputs()` checked (or one the route made).
@@ -289,7 +295,7 @@ class Serving:
         return EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, priority=priority,
             cache_salt=cache_salt, tenant=None if tenant is None else tenant.name,
-            resume_token_ids=body.resume_token_ids,
+            resume_token_ids=body.resume_token_ids, lora_request=lora_request,
         )
 
     async def respond(self, http_request: Request, request: EngineRequest | list[EngineRequest],
@@ -321,7 +327,7 @@ class Serving:
         streams = [self.engine.generate(
             request.prompt_token_ids, request.params, request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, tenant=request.tenant, max_buffered_outputs=max_buffered_outputs,
-            resume_token_ids=request.resume_token_ids,
+            resume_token_ids=request.resume_token_ids, lora_request=request.lora_request,
         ) for request in batch]
         return streams[0] if len(streams) == 1 else merged(streams, batch[0].params.n)
 

@@ -10,6 +10,9 @@ The tenants file is YAML or JSON (the operator renders it from the InferenceEngi
       maxConcurrentRequests: 8       # sequences in flight (n per request); absent or null: unlimited
       allowRequestPriority: false    # true: a request's own `priority` field wins when given, clamped
                                      # to [priority, +inf): never sooner than the tenant's own
+      adapters: [sql-lora]           # LoRA adapters this tenant may use and list; an adapter that
+                                     # some tenant names is its tenants' alone, one that no tenant
+                                     # names is everyone's
 
 A mapping `{tenants: [...]}` is accepted as well as the bare list. Unknown fields are errors, so
 that a typo never silently lifts a limit.
@@ -35,7 +38,8 @@ import yaml
 logger = logging.getLogger(__name__)
 
 RELOAD_POLL_S = 1.0
-_FIELDS = ("name", "priority", "apiKeys", "apiKeyFiles", "maxConcurrentRequests", "allowRequestPriority")
+_FIELDS = ("name", "priority", "apiKeys", "apiKeyFiles", "maxConcurrentRequests", "allowRequestPriority",
+           "adapters")
 
 
 class TenantsFileError(ValueError):
@@ -50,6 +54,8 @@ class Tenant:
     # None: unlimited.
     max_concurrent_requests: int | None = None
     allow_request_priority: bool = False
+    # The LoRA adapters it may use (by name), beside those no tenant names.
+    adapters: tuple[str, ...] = ()
 
     def engine_priority(self, requested: int | None) -> int:
         """A request may ask to run later than its tenant's priority, never sooner (lower is sooner)."""
@@ -121,7 +127,8 @@ def _parse_tenant(entry, where: str, base_dir: Path) -> tuple[Tenant, list[Path]
     keys += [_read_key_file(p, where) for p in key_files]
     if any(not key.strip() for key in keys):
         raise TenantsFileError(f"{where}: apiKeys must not be empty strings")
-    tenant = Tenant(name, priority, tuple(k.strip() for k in keys), limit, allow)
+    adapters = _string_list(entry, "adapters", where)
+    tenant = Tenant(name, priority, tuple(k.strip() for k in keys), limit, allow, tuple(adapters))
     return tenant, key_files
 
 
@@ -187,6 +194,7 @@ class TenantRegistry:
         self._stamp = stamp
         self._by_name = {t.name: t for t in config.tenants}
         self._keys = [(key.encode(), t) for t in config.tenants for key in t.api_keys]
+        self._owned_adapters = frozenset(name for t in config.tenants for name in t.adapters)
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -203,6 +211,14 @@ class TenantRegistry:
             if hmac.compare_digest(candidate, given):
                 found = tenant
         return found
+
+    def may_use_adapter(self, tenant: Tenant | None, adapter: str) -> bool:
+        """Whether a request of `tenant` (None: no tenant) may use and see the LoRA adapter: one
+        that some tenant names only for the tenants that name it, any other by everyone."""
+        if adapter not in self._owned_adapters:
+            return True
+        # The current config's list, even for a Tenant looked up before a reload.
+        return tenant is not None and adapter in self._by_name.get(tenant.name, tenant).adapters
 
     def cache_salt(self, tenant: Tenant, request_salt: str | None) -> str:
         """The tenant's own salt, combined with the request's salt when it gives one."""

@@ -33,6 +33,7 @@ import torch
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.engine.parent_watch import kill_with_parent, remove_if_orphaned
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.worker import hosts
 from kvpilot.runtime.worker.model_runner import ModelRunner
 
@@ -47,6 +48,10 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> None: ...
+
+    def remove_lora(self, lora_int_id: int) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -71,6 +76,8 @@ _ARGUMENT_TYPES = {
     "kv_cache_budget_bytes": None,
     "initialize_kv_cache": int,
     "execute_model": SchedulerOutput,
+    "add_lora": LoRARequest,
+    "remove_lora": int,
 }
 
 
@@ -114,6 +121,12 @@ class MultiprocExecutor:
         if len(set(layouts)) > 1:
             self._fail(RuntimeError(f"TP ranks disagree on the batch layout (fingerprint per rank: {layouts})"))
         return replies[0].output
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call("remove_lora", lora_int_id)
 
     def _call(self, method: str, argument=None) -> list[WorkerReply]:
         if not self._workers:

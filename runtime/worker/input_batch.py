@@ -48,6 +48,8 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        # The device slot of the row's LoRA adapter, -1 for none.
+        self.lora_slot = np.full(max_num_reqs, -1, dtype=np.int64)
         # Keyed by request id rather than row, so moving a row never touches them.
         self.generators: dict[str, torch.Generator] = {}
         self.num_logprobs: dict[str, int] = {}
@@ -78,6 +80,7 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.lora_slot[row] = new.lora_slot
         # A request resumed after preemption keeps its generator: its random stream goes on.
         if params.seed is not None and new.req_id not in self.generators:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -143,5 +146,5 @@ class InputBatch:
         self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
         self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
         for per_row in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
-                        self.temperature, self.top_k, self.top_p, self.min_p):
+                        self.temperature, self.top_k, self.top_p, self.min_p, self.lora_slot):
             per_row[dst] = per_row[src]

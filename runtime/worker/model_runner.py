@@ -18,6 +18,8 @@ from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvpilot.runtime.core.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.layers.attention import get_attention_backend
 from kvpilot.runtime.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from kvpilot.runtime.lora.device_slots import DeviceLoRASlots
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.models.loader import load_model
 from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import GREEDY_TEMPERATURE
@@ -50,7 +52,11 @@ class ModelRunner:
         self.decode_sizes = [] if config.model.enforce_eager else decode_sizes(sched.max_num_seqs)
         self.buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
                                    max_blocks_per_req, device)
-        self.capture_graphs = bool(self.decode_sizes) and can_capture(
+        # Adapter slots, when the engine serves LoRA adapters.
+        self.lora = DeviceLoRASlots(self.model, config.model, config.lora, device) \
+            if config.lora.enable_lora else None
+        # A captured graph would not see the per-step LoRA index (its kernels read it from the host).
+        self.capture_graphs = bool(self.decode_sizes) and self.lora is None and can_capture(
             device, backend.name, config.model.enforce_eager, config.parallel.tensor_parallel_size)
         self.graphs: DecodeGraphs | None = None
         self.logits_state = LogitsState(config.model.vocab_size, config.model.eos_token_ids, device)
@@ -93,6 +99,13 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives in its caller's process."""
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads the adapter into this rank's host cache (the EngineCore checked that it fits)."""
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.lora.remove(lora_int_id)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -150,6 +163,9 @@ class ModelRunner:
         padded = step.decode_size(self.decode_sizes) if self.decode_sizes else None
         graphed = padded is not None and self.graphs is not None
         input_ids, positions, metadata = self.buffers.load(step, padded, full_block_tables=graphed)
+        if self.lora is not None:
+            self.lora.batch.set_token_slots(_token_lora_slots(self.batch.lora_slot[step.rows], step,
+                                                              len(input_ids)))
         hidden = self.graphs.replay(padded) if graphed else self.model(input_ids, positions, metadata)
         return hidden[: step.num_tokens]
 
@@ -163,6 +179,8 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_reqs:
             self.batch.add_request(new)
             self.logits_state.add_request(new)
+        for assignment in scheduler_output.lora_assignments:
+            self.lora.assign(assignment)
         for cached in scheduler_output.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
@@ -235,6 +253,12 @@ class ModelRunner:
                 entries=[_row_logprobs(gathered, j, num) for j in range(end - start)],
             )
         return chunks
+
+
+def _token_lora_slots(row_slots: np.ndarray, step: StepInputs, num_tokens: int) -> np.ndarray:
+    """Each of the step's `num_tokens` tokens' adapter slot: its request's, -1 for padding."""
+    slots = np.repeat(row_slots, np.diff(step.query_start_loc))
+    return np.pad(slots, (0, num_tokens - len(slots)), constant_values=-1)
 
 
 def _row_logprobs(tensors, row: int, num: int) -> TokenLogprobs:

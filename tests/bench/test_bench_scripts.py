@@ -24,6 +24,8 @@ TINY_ARGS = {
     "kernels.py": ["--tiny"],
     "quant_matmul.py": ["--tiny"],
     "packed_weights.py": ["--batch", "2", "--prompt-len", "8", "--new-tokens", "2", "--repeats", "1"],
+    "lora_mixed_batch.py": ["--batch", "4", "--adapters", "2", "--rank", "2", "--prompt-len", "8", "--new-tokens", "2",
+                            "--repeats", "1"],
     "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1",
                              "--baseline", "HEAD", "--cold"],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],

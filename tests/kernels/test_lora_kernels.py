@@ -17,6 +17,8 @@ SHAPES = [  # tokens, in, out, rank, slots
     (7, 40, 72, 12, 3),
     (16, 96, 33, 1, 4),
     (5, 130, 200, 16, 2),
+    # A rank that is no multiple of the C kernel's rank block, over an input of 1,000 columns.
+    (9, 1000, 70, 6, 3),
 ]
 
 

@@ -86,6 +86,7 @@ def test_serve_flags_become_the_same_engine_args_as_the_keywords(monkeypatch, ti
     ({"headless": True}, "headless is for every host but node 0, which runs the API server"),
     ({"master_port": 70000}, "master_port must be at most 65535, got 70000"),
     ({"max_lora_rank": 0}, "max_lora_rank must be a positive integer, got 0"),
+    ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras (2) must be at least max_loras (4)"),
 ])
 def test_a_bad_value_is_named_by_its_setting(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError) as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.runtime.lora.slots import LoRAAssignment
 from kvpilot.runtime.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvpilot.runtime.request import SamplingParams
 
@@ -19,6 +20,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The device slot of its LoRA adapter (LoRASlots), -1 for the base model alone.
+    lora_slot: int = -1
 
 
 @dataclass
@@ -61,6 +64,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Filled by the engine core after scheduling; None when no request samples under a grammar.
     grammar_bitmask: GrammarBitmask | None = None
+    # The adapters of this step's admissions and their slots, in order (the scheduler's LoRASlots):
+    # the workers fill the slots that held other adapters before this step.
+    lora_assignments: list[LoRAAssignment] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -11,8 +11,10 @@ chunk and a decode token are the same kind of work. `schedule()` hands out one s
    queue or in its place by (priority, arrival) in a priority queue.
 2. Then, unless this step preempted, waiting requests in queue order, each starting after its
    longest prefix-cache hit, until the budget, `max_num_seqs` or the blocks run out. The head
-   that does not fit stops admission, so a long request is never starved by shorter ones (one
-   whose grammar is still compiling is passed over, keeping its place).
+   that does not fit stops admission, so a long request is never starved by shorter ones. Passed
+   over, keeping their places: a request whose grammar is still compiling, and one whose LoRA
+   adapter finds every adapter slot in use by running requests of other adapters (at most
+   `max_loras` adapters run in one step; the slot changes go to the workers with the step).
 
 `update_from_output()` appends the sampled tokens and runs the stop checks (min_tokens, EOS and
 stop token ids, then max_tokens; and a complete grammar); `finish_requests()` ends requests from
@@ -34,14 +36,18 @@ from kvpilot.runtime.core.sched.output import (
     SchedulerOutput,
 )
 from kvpilot.runtime.core.sched.request_queue import create_request_queue
+from kvpilot.runtime.lora.slots import LoRASlots
 from kvpilot.runtime.outputs import EngineCoreOutput
 from kvpilot.runtime.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 lora_slots: LoRASlots | None = None) -> None:
+        """`lora_slots`: the device's adapter slots, when the engine serves LoRA adapters."""
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.lora_slots = lora_slots
         self._policy = SchedulingPolicy.parse(config.policy)
         self.waiting = create_request_queue(self._policy)
         # Admission order; a dict so that removal is O(1) and the last admitted is at the end.
@@ -162,6 +168,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
+            lora_assignments=self.lora_slots.take_assignments() if self.lora_slots is not None else [],
         )
         self._finished_req_ids = []
         # The output carries the counts at the start of the step; from here on they include what
@@ -186,15 +193,20 @@ class Scheduler:
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
         """Admit from the head of the waiting queue until budget, seats or blocks run out."""
         admitted: list[NewRequestData] = []
-        # Requests whose grammar is still compiling: they keep their place, the rest go ahead.
-        compiling: list[Request] = []
+        # Requests whose grammar is still compiling, or whose adapter has no slot: they keep their
+        # place, the rest go ahead.
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 if not request.structured_output_request.is_ready:
-                    compiling.append(self.waiting.pop_request())
+                    passed_over.append(self.waiting.pop_request())
                     continue
                 request.status = RequestStatus.WAITING
+            lora = request.lora_request
+            if lora is not None and not self.lora_slots.can_acquire(lora):
+                passed_over.append(self.waiting.pop_request())
+                continue
             # Waiting requests hold no KV: new ones have none yet, preempted ones gave it back.
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._chunk(request, budget, num_hit)
@@ -202,6 +214,7 @@ class Scheduler:
                 # Head-of-line: skipping ahead would starve the head.
                 break
             self.waiting.pop_request()
+            lora_slot = -1 if lora is None else self.lora_slots.acquire(request.request_id, lora)
             self.running[request.request_id] = request
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
@@ -216,8 +229,9 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit,
+                lora_slot=lora_slot,
             ))
-        for request in reversed(compiling):
+        for request in reversed(passed_over):
             self.waiting.prepend_request(request)
         return admitted
 
@@ -230,6 +244,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV and start over from the head of the queue."""
         self.kv_cache_manager.free(request)
         del self.running[request.request_id]
+        self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -341,10 +356,23 @@ class Scheduler:
 
     def _forget(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._release_lora_slot(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
         if request.num_output_placeholders:
             self._tokens_in_flight_for_ended[request.request_id] = request.num_output_placeholders
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.lora_slots.release(request.request_id)
+
+    def running_lora_adapters(self) -> list[str]:
+        return self.lora_slots.running_adapters() if self.lora_slots is not None else []
+
+    def waiting_lora_adapters(self) -> list[str]:
+        """The adapters of waiting requests, each once, in queue order."""
+        names = (r.lora_request.lora_name for r in self.waiting if r.lora_request is not None)
+        return list(dict.fromkeys(names))
 
     def _drop_token_in_flight(self, req_id: str) -> None:
         left = self._tokens_in_flight_for_ended.pop(req_id) - 1

@@ -16,6 +16,7 @@ from kvpilot.runtime.core.kv_events import (
     KVEventLog,
     apply_events,
 )
+from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
@@ -46,6 +47,13 @@ def test_stored_blocks_are_recorded_as_one_chain_with_their_parent() -> None:
     manager.allocate_slots(req, 2)
     assert manager.take_kv_events() == [BlockStored([req.block_hashes[2]], req.block_hashes[1], [], BLOCK_SIZE)]
     assert manager.take_kv_events() == []
+
+
+def test_an_adapters_blocks_are_stored_with_its_lora_id() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_kv_cache_events=True)
+    req = Request("a", list(range(8)), SamplingParams(max_tokens=4), lora_request=LoRARequest("sql", 7, "/sql"))
+    admit(manager, req)
+    assert manager.take_kv_events() == [BlockStored(req.block_hashes[:2], None, [], BLOCK_SIZE, lora_id=7)]
 
 
 def test_eviction_is_recorded_when_a_cached_block_is_popped_for_reuse() -> None:

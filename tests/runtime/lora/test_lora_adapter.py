@@ -13,18 +13,7 @@ from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, load_adapter
 from kvpilot.runtime.tiny_model import make_tiny_model
 
-peft = pytest.importorskip("peft")
-
-
-def make_adapter(base_dir, out_dir, **lora):
-    """A PEFT adapter with random non-zero B matrices (PEFT's default zeros would change nothing)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(len(str(out_dir)))
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
-    options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], **lora}
-    peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **options)).save_pretrained(out_dir)
-    return out_dir
+pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +22,8 @@ def model(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(tiny_llama_dir, tmp_path_factory):
-    return make_adapter(tiny_llama_dir, tmp_path_factory.mktemp("adapter") / "sql")
+def adapter_dir(tiny_llama_dir, tmp_path_factory, make_peft_adapter):
+    return make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("adapter") / "sql")
 
 
 def test_an_adapter_reads_as_peft_wrote_it(adapter_dir, model):
@@ -51,8 +40,8 @@ def test_an_adapter_reads_as_peft_wrote_it(adapter_dir, model):
     assert b.shape == (model.num_key_value_heads * model.head_dim, 4) and b.abs().sum() > 0
 
 
-def test_rslora_scales_by_the_root_of_the_rank(tiny_llama_dir, tmp_path, model):
-    folder = make_adapter(tiny_llama_dir, tmp_path / "rs", r=8, lora_alpha=16, use_rslora=True)
+def test_rslora_scales_by_the_root_of_the_rank(tiny_llama_dir, tmp_path, model, make_peft_adapter):
+    folder = make_peft_adapter(tiny_llama_dir, tmp_path / "rs", r=8, lora_alpha=16, use_rslora=True)
     assert load_adapter("rs", folder, model, max_lora_rank=8).scale == pytest.approx(16 / math.sqrt(8))
 
 
@@ -84,14 +73,14 @@ def test_a_rank_above_the_limit_is_refused(adapter_dir, model):
         load_adapter("sql", adapter_dir, model, max_lora_rank=2)
 
 
-def test_targets_other_than_the_decoder_linears_are_refused(tiny_llama_dir, tmp_path, model):
-    folder = make_adapter(tiny_llama_dir, tmp_path / "head", target_modules=["q_proj", "lm_head"])
+def test_targets_other_than_the_decoder_linears_are_refused(tiny_llama_dir, tmp_path, model, make_peft_adapter):
+    folder = make_peft_adapter(tiny_llama_dir, tmp_path / "head", target_modules=["q_proj", "lm_head"])
     with pytest.raises(LoRAAdapterError, match="lm_head.*adapts something other than"):
         load_adapter("head", folder, model, max_lora_rank=16)
 
 
-def test_an_adapter_for_another_model_shape_is_refused(tmp_path, model):
+def test_an_adapter_for_another_model_shape_is_refused(tmp_path, model, make_peft_adapter):
     wider = make_tiny_model(tmp_path / "wider", hidden_size=96, num_heads=4, num_kv_heads=2)
-    folder = make_adapter(wider, tmp_path / "other")
+    folder = make_peft_adapter(wider, tmp_path / "other")
     with pytest.raises(LoRAAdapterError, match="needs"):
         load_adapter("other", folder, model, max_lora_rank=16)

@@ -200,3 +200,18 @@ def test_a_rotated_key_file_is_noticed(tmp_path):
     _write(key_file, "new-key\n")
     assert registry.reload_if_changed()
     assert registry.by_key("new-key") is not None and registry.by_key("old-key") is None
+
+
+def test_an_adapter_a_tenant_names_is_that_tenants_and_one_nobody_names_is_everyones(tmp_path):
+    path = _write(tmp_path / "tenants.json", [
+        {"name": "a", "apiKeys": ["key-a"], "adapters": ["sql", "both"]},
+        {"name": "b", "apiKeys": ["key-b"], "adapters": ["both"]},
+        {"name": "c", "apiKeys": ["key-c"]},
+    ])
+    registry = TenantRegistry(path)
+    a, b, c = registry.tenants
+    assert [registry.may_use_adapter(t, "sql") for t in (a, b, c, None)] == [True, False, False, False]
+    assert [registry.may_use_adapter(t, "both") for t in (a, b, c, None)] == [True, True, False, False]
+    assert all(registry.may_use_adapter(t, "free") for t in (a, b, c, None))
+    with pytest.raises(TenantsFileError, match=r"\(a\): adapters must be a list of strings"):
+        parse_tenants(json.dumps([{"name": "a", "adapters": "sql"}]), path)
