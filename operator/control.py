@@ -2,8 +2,9 @@
 pods, read the ready ones' metrics once, and hand that same reading to each controller.
 
 `ControlLoops.controllers` are what runs on each reading: the autoscaler (below), for engines
-with autoscaling enabled, and the scheduling-policy tuner (tuning.py), for `scheduling.policy:
-auto`; each has the same `Controller` shape. The autoscaler goes first: the tuner judges whether
+with autoscaling enabled, the scheduling-policy tuner (tuning.py), for `scheduling.policy:
+auto`, and the LoRA adapters' loader (adapter_loading.py), for engines with spec.adapters; each
+has the same `Controller` shape. The autoscaler goes first: the tuner judges whether
 the engine can still scale from the replicas the interval began with.
 
 One asyncio task per engine, started and stopped from the engines' watch events: no kopf daemon
@@ -27,8 +28,8 @@ from typing import Any, Protocol, cast
 import aiohttp
 import kopf
 
-from kvpilot.operator import (autoscaler, control_memory, kube, metrics, naming, reconcile, render_router, samples,
-                              status, tuning)
+from kvpilot.operator import (adapter_loading, autoscaler, control_memory, kube, metrics, naming, reconcile,
+                              render_router, samples, status, tuning)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class ControlLoops:
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[Key, asyncio.Task[None]] = {}
-        self.controllers: list[Controller] = [Autoscaling(reconciler), tuning.PolicyTuning(reconciler, pod_url=pod_url)]
+        self.controllers: list[Controller] = [Autoscaling(reconciler), tuning.PolicyTuning(reconciler, pod_url=pod_url),
+                                              adapter_loading.AdapterLoading(reconciler, pod_url=pod_url)]
 
     def follow(self, engine: Mapping[str, Any], *, deleted: bool) -> None:
         """Start or stop the engine's loop after a watch event. Called from a kopf handler, so

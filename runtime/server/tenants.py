@@ -35,7 +35,7 @@ import yaml
 logger = logging.getLogger(__name__)
 
 RELOAD_POLL_S = 1.0
-_FIELDS = ("name", "priority", "apiKeys", "apiKeyFiles", "maxConcurrentRequests", "allowRequestPriority")
+_FIELDS = ("name", "priority", "apiKeys", "apiKeyFiles", "maxConcurrentRequests", "allowRequestPriority", "adapters")
 
 
 class TenantsFileError(ValueError):
@@ -50,6 +50,8 @@ class Tenant:
     # None: unlimited.
     max_concurrent_requests: int | None = None
     allow_request_priority: bool = False
+    # The LoRA adapters named for this tenant (see the tenants file's `adapters`).
+    adapters: tuple[str, ...] = ()
 
     def engine_priority(self, requested: int | None) -> int:
         """A request may ask to run later than its tenant's priority, never sooner (lower is sooner)."""
@@ -121,7 +123,8 @@ def _parse_tenant(entry, where: str, base_dir: Path) -> tuple[Tenant, list[Path]
     keys += [_read_key_file(p, where) for p in key_files]
     if any(not key.strip() for key in keys):
         raise TenantsFileError(f"{where}: apiKeys must not be empty strings")
-    tenant = Tenant(name, priority, tuple(k.strip() for k in keys), limit, allow)
+    adapters = tuple(_string_list(entry, "adapters", where))
+    tenant = Tenant(name, priority, tuple(k.strip() for k in keys), limit, allow, adapters)
     return tenant, key_files
 
 
