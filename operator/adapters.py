@@ -18,6 +18,8 @@ from typing import Any
 LOAD = "load"
 UNLOAD = "unload"
 CONDITION = "AdaptersLoaded"
+# A fleet-wide failure (a bad adapter on every pod) names this many, and counts the rest.
+MESSAGE_FAILURES = 10
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,9 @@ def condition(outcomes: Sequence[PodOutcome], desired: Mapping[str, str]) -> tup
     """AdaptersLoaded: (true, reason, message). False names every pod and adapter that failed."""
     failed = [f"pod {o.pod}: {failure}" for o in sorted(outcomes, key=lambda o: o.pod) for failure in o.failures]
     if failed:
-        return False, "LoadFailed", "; ".join(failed)
+        shown = failed[:MESSAGE_FAILURES]
+        more = f"; and {len(failed) - len(shown)} more" if len(failed) > len(shown) else ""
+        return False, "LoadFailed", "; ".join(shown) + more
     if not outcomes:
         return False, "NoReadyPod", "no ready pod to load adapters into"
     return True, "AllLoaded", f"{len(desired)} adapter(s) loaded on {len(outcomes)} ready pod(s)"

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -111,6 +112,11 @@ def test_lora_is_rendered_as_flags_volumes_and_a_download_list() -> None:
     }
 
 
+def test_the_children_of_an_engine_with_adapters_are_valid_kubernetes_objects() -> None:
+    for child in rendered(with_adapters(engine()["spec"], maxLoras=2)).values():
+        kubernetes_validate.validate(child, "1.30", strict=True)
+
+
 def test_without_adapters_nothing_of_lora_is_rendered() -> None:
     children = rendered(engine()["spec"])
     pod = children["Deployment", "llama"]["spec"]["template"]["spec"]
@@ -126,7 +132,7 @@ def test_without_adapters_nothing_of_lora_is_rendered() -> None:
     [{**adapter, "source": adapter["source"] + "-v3"} for adapter in ADAPTERS],
 ], ids=["none-left", "removed", "added", "sources-changed"])
 def test_adding_or_removing_adapters_leaves_the_pod_template_as_it_is(change: list[dict[str, str]]) -> None:
-    # The claim of `legal` stays declared through `again`, except where every adapter goes.
+    # Only the claims' volumes may change: `loras` stays mounted where some adapter is still on it.
     before = rendered(with_adapters(engine()["spec"]))["Deployment", "llama"]["spec"]["template"]
     after = rendered(with_adapters(engine()["spec"], change))["Deployment", "llama"]["spec"]["template"]
     claims = adapter_sources.claims({"adapters": change})
@@ -189,6 +195,8 @@ def test_the_condition_names_every_failed_pod_and_adapter() -> None:
                                                              {"pod": "p3", "loaded": ["a", "b"]}]}
     assert adapters.condition(outcomes[2:], {"a": "", "b": ""})[:2] == (True, "AllLoaded")
     assert adapters.condition([], {})[:2] == (False, "NoReadyPod")
+    many = [adapters.PodOutcome(f"p{i:02}", (), ("load a answered 400: bad",)) for i in range(12)]
+    assert adapters.condition(many, {"a": ""})[2].endswith("pod p09: load a answered 400: bad; and 2 more")
 
 
 # --- the controller, against the emulated API server and fake engine pods --------------------
