@@ -2,10 +2,11 @@
 pods, read the ready ones' metrics once, and hand that same reading to each controller.
 
 `ControlLoops.controllers` are what runs on each reading: the autoscaler (below), for engines
-with autoscaling enabled, and the scheduling-policy tuner (tuning.py), for `scheduling.policy:
-auto`; each has the same `Controller` shape (controller.py). The autoscaler goes first: the tuner judges whether
-the engine can still scale from the replicas the interval began with. What the controllers record
-(their status fields and their parts of status.controlMemory) goes in one status write per
+with autoscaling enabled, the scheduling-policy tuner (tuning.py), for `scheduling.policy: auto`,
+and the LoRA adapters' loader (adapter_loading.py), for engines with spec.adapters; each has the
+same `Controller` shape (controller.py). The autoscaler goes first: the tuner judges whether the
+engine can still scale from the replicas the interval began with. What the controllers record
+(their status fields, conditions and parts of status.controlMemory) goes in one status write per
 interval; what each does after it is recorded comes next.
 
 One asyncio task per engine, started and stopped from the engines' watch events: no kopf daemon
@@ -28,9 +29,9 @@ from typing import Any, cast
 import aiohttp
 import kopf
 
-from kvpilot.operator import (autoscaler, control_memory, kube, metrics, naming, reconcile, render_router, samples,
-                              status, tuning)
-from kvpilot.operator.controller import Controller, Interval, Key, Step
+from kvpilot.operator import (adapter_loading, autoscaler, control_memory, kube, metrics, naming, reconcile,
+                              render_router, samples, status, tuning)
+from kvpilot.operator.controller import Controller, Interval, Key, StatusChange, Step
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,17 @@ def merged(changes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return status
 
 
+def recorded_in_turn(records: Sequence[StatusChange], fresh: Mapping[str, Any]) -> dict[str, Any]:
+    """The controllers' status changes as one write, each made on the status as the ones before it
+    left it: two that set conditions both keep theirs."""
+    changes = []
+    for record in records:
+        change = record(fresh)
+        changes.append(change)
+        fresh = {**fresh, "status": merged([fresh.get("status") or {}, change])}
+    return merged(changes)
+
+
 class ControlLoops:
     def __init__(
         self,
@@ -83,7 +95,8 @@ class ControlLoops:
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[Key, asyncio.Task[None]] = {}
-        self.controllers: list[Controller] = [Autoscaling(reconciler), tuning.PolicyTuning(reconciler, pod_url=pod_url)]
+        self.controllers: list[Controller] = [Autoscaling(reconciler), tuning.PolicyTuning(reconciler, pod_url=pod_url),
+                                              adapter_loading.AdapterLoading(reconciler, pod_url=pod_url)]
 
     def follow(self, engine: Mapping[str, Any], *, deleted: bool) -> None:
         """Start or stop the engine's loop after a watch event. Called from a kopf handler, so
@@ -128,7 +141,7 @@ class ControlLoops:
         steps = [await controller.step(interval) for controller in self.controllers if controller.wants(spec)]
 
         async def recorded(fresh: Mapping[str, Any]) -> dict[str, Any]:
-            return merged([step.record(fresh) for step in steps])
+            return recorded_in_turn([step.record for step in steps], fresh)
 
         await self._reconciler.update_status(namespace, name, recorded)
         for step in steps:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator import naming, render_router
+from kvpilot.operator import adapter_sources, naming, render_router
 from kvpilot.operator.pod_parts import (
     CACHE_DIR,
     CACHE_SALT_DIR,
@@ -88,6 +88,8 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
         *_start_policy_file(spec),
         *_routed_engine_args(engine),
+        # The adapters themselves are loaded live (adapter_loading.py), never named here.
+        *(["--enable-lora"] if adapter_sources.lora_enabled(spec) else []),
         *spec["engine"].get("extraArgs", []),
     ]
 
@@ -134,6 +136,8 @@ def tenants(spec: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> list[dic
         }
         if "maxConcurrentRequests" in tenant:
             entry["maxConcurrentRequests"] = tenant["maxConcurrentRequests"]
+        if tenant.get("adapters"):
+            entry["adapters"] = list(tenant["adapters"])
         entries.append(entry)
     return entries
 
@@ -145,13 +149,16 @@ def config_map(engine: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> Man
         " edit the InferenceEngine instead.\n"
         "# priority is the engine's own: lower runs first.\n"
     )
-    return owned(engine, "v1", "ConfigMap", naming.config_map_name(name), data={
-            # Mounted as a folder (no subPath), so the kubelet refreshes it in running pods.
-            "tenants.yaml": header + yaml.safe_dump(tenants(engine["spec"], tenant_keys), sort_keys=False),
-            # What the pods run, for people and tools that read the ConfigMap; the Deployment's pod
-            # template carries the same arguments, so changing them rolls the pods.
-            "engine-args.yaml": yaml.safe_dump(serve_args(engine), sort_keys=False),
-        })
+    data = {
+        # Mounted as a folder (no subPath), so the kubelet refreshes it in running pods.
+        "tenants.yaml": header + yaml.safe_dump(tenants(engine["spec"], tenant_keys), sort_keys=False),
+        # What the pods run, for people and tools that read the ConfigMap; the Deployment's pod
+        # template carries the same arguments, so changing them rolls the pods.
+        "engine-args.yaml": yaml.safe_dump(serve_args(engine), sort_keys=False),
+    }
+    if adapter_sources.lora_enabled(engine["spec"]):
+        data[adapter_sources.DOWNLOADS_KEY] = adapter_sources.downloads(engine["spec"])
+    return owned(engine, "v1", "ConfigMap", naming.config_map_name(name), data=data)
 
 
 def tenant_keys_secret(engine: Mapping[str, Any], tenant_keys: Mapping[str, str]) -> Manifest:
@@ -221,7 +228,8 @@ def pod_template(engine: Mapping[str, Any]) -> Manifest:
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": pod_security(),
-        "containers": [_engine_container(engine, source)],
+        "containers": [_engine_container(engine, source),
+                       *([adapter_sources.download_container(engine)] if adapter_sources.lora_enabled(spec) else [])],
         "volumes": _volumes(engine, source),
     }
     if source.init_containers:
@@ -283,6 +291,7 @@ def _engine_container(engine: Mapping[str, Any], source: ModelSource) -> Manifes
         # default /dev/shm (64 MiB) is far too small.
         {"name": "dshm", "mountPath": "/dev/shm"},
         *_cache_salt_mounts(engine),
+        *adapter_sources.mounts(spec),
     ]
     container = server_container("engine", spec["image"], ["kvpilot", "serve"], serve_args(engine), ports=ports,
                                  resources=_resources(spec), mounts=mounts)
@@ -307,6 +316,7 @@ def _volumes(engine: Mapping[str, Any], source: ModelSource) -> list[Manifest]:
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         *([render_router.cache_salt_volume(engine)] if routed(engine) else []),
+        *adapter_sources.volumes(engine["spec"]),
     ]
 
 

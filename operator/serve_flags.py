@@ -56,6 +56,9 @@ SPEC_FLAGS: tuple[SpecFlag, ...] = (
     SpecFlag(("scheduling", "policy"), "--scheduling-policy",
              "scheduling groups the policy with the tenants it orders; `auto` starts engines at fcfs",
              convert=initial_scheduling_policy),
+    SpecFlag(("engine", "maxLoras"), "--max-loras"),
+    SpecFlag(("engine", "maxLoraRank"), "--max-lora-rank"),
+    SpecFlag(("engine", "maxCpuLoras"), "--max-cpu-loras"),
     SpecFlag(("engine", "shutdownTimeoutSeconds"), "--shutdown-timeout",
              "Kubernetes API conventions put a duration's unit in the field name"),
 )
@@ -72,6 +75,9 @@ RESERVED_FLAGS: dict[str, str] = {
     "--model": "vLLM's spelling of the model argument; the operator passes the mounted model folder itself",
     "--kv-events-config": "with routing, the operator's own publisher and replay sockets, which the routers subscribe to",
     "--cache-salt-secret-file": "with routing, the operator's salt Secret, which engines and routers must share",
+    "--enable-lora": "on while spec.adapters is set",
+    "--lora-modules": "the operator loads spec.adapters into running pods through the admin routes, so that "
+                      "adapter changes never restart a pod",
 }
 
 

@@ -118,7 +118,8 @@ def build_app(config: RouterConfig, state: ServerState) -> FastAPI:
         # A request holds its tenant's sequences here as on an engine: the router's limit is the tenant's.
         request.state.sequences.acquire(body.n * (len(body.prompts) if isinstance(body, CompletionRequest) else 1))
         priority = body.priority or 0 if tenant is None else tenant.engine_priority(body.priority)
-        upstream = Upstream("POST", request.url.path, _forwarded(request), raw, hashes, affinity_key, priority)
+        upstream = Upstream("POST", request.url.path, _forwarded(request), raw, hashes, affinity_key, priority,
+                            model=body.model or "")
         proxy: Proxy = parts["proxy"]
         if not body.stream:
             return await proxy.unary(upstream)

@@ -11,7 +11,11 @@ events say who holds what:
   being placed), and more than BOUNDED_LOAD_SLACK requests above the lightest replica's, is put
   last: one hot prefix cannot herd the fleet onto one replica, and a light load is not taken for
   an overload.
-- Among the rest, the most leading blocks of the prompt held wins; then the lighter load.
+- Among the rest, a replica that has the request's LoRA adapter loaded comes first: another must
+  load it (from host memory, or from disk where it was evicted) and give it a batch slot before
+  the first token. This goes before the prefix, which costs no accuracy: blocks are keyed by
+  adapter, so only a replica that served this adapter can hold this request's prefix.
+- Then the most leading blocks of the prompt held wins; then the lighter load.
 - Ties, and replicas that publish no events, fall to rendezvous hashing on the request's affinity
   key (its first block), so a conversation keeps its replica even where nothing is known of
   the caches.
@@ -55,6 +59,8 @@ class ReplicaState:
     # Leading blocks of this request's prompt in the replica's prefix cache; None: the replica
     # publishes no KV events (or its index is resyncing), so nothing is known.
     prefix_blocks: int | None = None
+    # The request names a LoRA adapter and the replica's /metrics says it is loaded there.
+    adapter_loaded: bool = False
 
     @property
     def load(self) -> int:
@@ -96,6 +102,7 @@ def rank(strategy: RoutingStrategy, replicas: Sequence[ReplicaState], affinity_k
     bounded = over_bound(replicas, bounded_load_factor)
     return sorted(replicas, key=lambda r: (
         r.name in bounded,
+        not r.adapter_loaded,
         -(r.prefix_blocks or 0),
         r.load if r.prefix_blocks else 0,
         -rendezvous_weight(affinity_key, r.name),

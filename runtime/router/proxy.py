@@ -60,6 +60,8 @@ class Upstream:
     affinity_key: bytes = b""
     # The engine's order: lower first.
     priority: int = 0
+    # The request's model field: the base model, or a LoRA adapter that some replicas hold.
+    model: str = ""
 
     def with_fields(self, **fields) -> "Upstream":
         """The same request with these JSON body fields set (the request asked for their values or not)."""
@@ -191,7 +193,7 @@ class Proxy:
                 self.metrics.hold_timeouts.inc()
                 raise _no_replica(f"no replica became ready within {self.settings.hold_timeout_s:g} s (--hold-timeout)")
         hashes = upstream.prompt_hashes or {}
-        states = [replica.state(hashes) for replica in ready]
+        states = [replica.state(hashes, upstream.model) for replica in ready]
         order = rank(self.settings.strategy, states, upstream.affinity_key,
                      bounded_load_factor=self.settings.bounded_load_factor, turn=next(self._turns))
         pick = order[0]

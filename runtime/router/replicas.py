@@ -18,6 +18,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator.samples import PodSample, Problem, counter_from_page, from_page
 from kvpilot.runtime.router.backends import Endpoint
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+LORA_ADAPTER_LOADED = "kvpilot:lora_adapter_loaded"
 POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # A reading of the engine's load older than this says nothing about it any more.
 LOAD_STALE_AFTER_S = 5.0
@@ -43,6 +45,8 @@ class Replica:
         self.kv_index: ReplicaKVIndex | None = None
         # The engine's own vllm:prefix_cache_hits_total (tokens) at the last reading.
         self.prefix_cache_hits: float | None = None
+        # The LoRA adapters loaded there at the last reading.
+        self.loaded_adapters: frozenset[str] = frozenset()
         # Requests this router sent here that have not finished.
         self.in_flight = 0
         self._problem: str | None = None
@@ -57,14 +61,16 @@ class Replica:
         index = self.kv_index
         return index.block_size if index is not None and index.synced else None
 
-    def state(self, prompt_hashes: dict[int, list[bytes]]) -> ReplicaState:
-        """This replica for one request; `prompt_hashes`: the prompt's block hashes by block size."""
+    def state(self, prompt_hashes: dict[int, list[bytes]], model: str = "") -> ReplicaState:
+        """This replica for one request; `prompt_hashes`: the prompt's block hashes by block size,
+        `model`: the request's model field (the base model, or an adapter)."""
         load = self.load if self.load is not None and time.time() - self.load.observed_at < LOAD_STALE_AFTER_S else None
         block_size = self.block_size
         return ReplicaState(
             name=self.url, in_flight=self.in_flight,
             running=0 if load is None else int(load.num_running), waiting=0 if load is None else int(load.num_waiting),
             prefix_blocks=None if block_size is None else self.kv_index.prefix_blocks(prompt_hashes.get(block_size, ())),
+            adapter_loaded=model in self.loaded_adapters,
         )
 
     def problem(self, message: str | None) -> None:
@@ -152,6 +158,7 @@ class Fleet:
                 sample = from_page(replica.url, page, time.time())
                 replica.load = sample if isinstance(sample, PodSample) else None
                 replica.prefix_cache_hits = counter_from_page(page, PREFIX_CACHE_HITS)
+                replica.loaded_adapters = loaded_adapters(page)
                 if isinstance(sample, Problem):
                     return True, f"load unknown: {sample.message}"
             if self.kv_events and replica.kv_index is None:
@@ -181,6 +188,17 @@ class Fleet:
                 return
         replica.kv_index = index
         self._tasks[replica.url].append(asyncio.create_task(index.run(), name=f"kv events {replica.url}"))
+
+
+def loaded_adapters(page: str) -> frozenset[str]:
+    """The adapters a /metrics page says are loaded (kvpilot:lora_adapter_loaded{lora_name} 1);
+    none where it has no such series or is not Prometheus text."""
+    lines = "".join(line + "\n" for line in page.splitlines() if line.startswith(LORA_ADAPTER_LOADED))
+    try:
+        return frozenset(sample.labels["lora_name"] for family in text_string_to_metric_families(lines)
+                         for sample in family.samples if sample.value == 1 and "lora_name" in sample.labels)
+    except (ValueError, TypeError, IndexError):
+        return frozenset()
 
 
 def _says_ok(body: str) -> bool:

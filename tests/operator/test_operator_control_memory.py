@@ -4,6 +4,7 @@ the first would have; stale, foreign or unreadable memories are dropped."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -105,3 +106,16 @@ def test_the_controllers_records_go_in_one_status_write_side_by_side() -> None:
         "desiredReplicas": 2, "effectiveSchedulingPolicy": "priority",
         control_memory.FIELD: {control_memory.AUTOSCALER: {"since": 1.0}, control_memory.TUNER: {"calm": 3}},
     }
+
+
+def test_two_controllers_that_set_conditions_keep_both() -> None:
+    def setting(kind: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+        def record(fresh: Mapping[str, Any]) -> dict[str, Any]:
+            kept = [c for c in fresh["status"]["conditions"] if c["type"] != kind]
+            return {"conditions": [*kept, {"type": kind, "status": "True"}]}
+        return record
+
+    fresh = {"status": {"conditions": [{"type": "MetricsAvailable", "status": "False"}], "replicas": 1}}
+    written = control.recorded_in_turn([setting("MetricsAvailable"), setting("AdaptersLoaded")], fresh)
+    assert written == {"conditions": [{"type": "MetricsAvailable", "status": "True"},
+                                      {"type": "AdaptersLoaded", "status": "True"}]}

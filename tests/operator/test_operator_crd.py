@@ -56,7 +56,7 @@ def test_schema_carries_every_design_field() -> None:
     spec = engine_schema()["properties"]["spec"]["properties"]
     assert set(spec) >= {
         "model", "image", "replicas", "resources", "podTemplate", "parallelism", "engine",
-        "scheduling", "autoscaling", "service", "routing",
+        "scheduling", "autoscaling", "service", "routing", "adapters",
     }
     assert set(spec["model"]["properties"]) == {"name", "pvc", "hostPath", "huggingFace"}
     assert set(spec["model"]["properties"]["pvc"]["properties"]) == {"claimName", "subPath"}
@@ -87,7 +87,7 @@ def test_schema_carries_every_design_field() -> None:
     status = engine_schema()["properties"]["status"]["properties"]
     assert set(status) == {
         "phase", "observedGeneration", "replicas", "readyReplicas", "desiredReplicas", "selector",
-        "endpoint", "effectiveSchedulingPolicy", "metrics", "lastScaleTime", "controlMemory", "conditions",
+        "endpoint", "effectiveSchedulingPolicy", "metrics", "lastScaleTime", "controlMemory", "conditions", "adapters",
     }
     assert set(status["metrics"]["properties"]) == {"kvCacheUsage", "queueDepth", "observedAt"}
     assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Degraded", "Failed"]

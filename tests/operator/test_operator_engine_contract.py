@@ -7,6 +7,7 @@ import base64
 from pathlib import Path
 
 import pytest
+import yaml
 
 from crd_validation import engine_schema
 from inference_engines import ADMIN_TOKEN, BATCH_KEY, CACHE_SALT, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
@@ -78,3 +79,20 @@ def test_the_crd_offers_exactly_the_engines_attention_backends() -> None:
     # the engine would refuse at start-up.
     enum = engine_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["attentionBackend"]["enum"]
     assert enum == list(ATTENTION_BACKENDS)
+
+
+def test_the_engine_accepts_the_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = {**FULL_SPEC, "adapters": [{"name": "sql", "source": "adapters/sql"}],
+            "engine": {**FULL_SPEC["engine"], "maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8}}
+    parsed = parsed_serve_args(monkeypatch, render.serve_args(engine(spec)))
+    assert (parsed.enable_lora, parsed.max_loras, parsed.max_lora_rank, parsed.max_cpu_loras) == (True, 4, 64, 8)
+
+
+def test_the_engine_reads_each_tenants_adapters(tmp_path: Path) -> None:
+    tenants = pytest.importorskip("kvpilot.runtime.server.tenants")
+    spec = {**FULL_SPEC, "adapters": [{"name": "sql", "source": "adapters/sql"}]}
+    spec["scheduling"] = {**spec["scheduling"],
+                          "tenants": [{**spec["scheduling"]["tenants"][0], "adapters": ["sql"]}]}
+    rendered = render.tenants(engine(spec)["spec"], {})
+    (tenant,) = tenants.parse_tenants(yaml.safe_dump(rendered), tmp_path / "tenants.yaml").tenants
+    assert tenant.adapters == ("sql",)

@@ -71,3 +71,14 @@ def test_least_loaded_and_round_robin():
 def test_no_replica_no_pick():
     for strategy in RoutingStrategy:
         assert rank(strategy, [], b"k") == []
+
+
+def test_a_replica_holding_the_requests_adapter_beats_a_longer_prefix_elsewhere():
+    replicas = [ReplicaState("prefix", prefix_blocks=6), ReplicaState("adapter", adapter_loaded=True, prefix_blocks=1),
+                ReplicaState("neither")]
+    assert names(rank(PREFIX, replicas, b"k")) == ["adapter", "prefix", "neither"]
+
+
+def test_the_load_bound_still_applies_to_a_replica_holding_the_adapter():
+    replicas = [ReplicaState("hot", adapter_loaded=True, running=9), ReplicaState("x", running=1), ReplicaState("y")]
+    assert names(rank(PREFIX, replicas, b"k"))[-1] == "hot"

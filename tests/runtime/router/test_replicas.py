@@ -7,7 +7,7 @@ import pytest
 
 from fake_replica import FakeReplica
 from kvpilot.runtime.router.backends import Endpoint
-from kvpilot.runtime.router.replicas import Fleet, fleet_session
+from kvpilot.runtime.router.replicas import Fleet, fleet_session, loaded_adapters
 
 
 @pytest.fixture
@@ -56,3 +56,11 @@ async def test_a_replica_found_unreachable_waits_for_its_next_good_health_check(
         replica.behaviour.health_status = 503
         await until(lambda: fleet.ready() == [])
         await fleet.close()
+
+
+def test_the_loaded_adapters_are_read_from_the_metrics_page():
+    page = ('# HELP kvpilot:lora_adapter_loaded A LoRA adapter is loaded.\n# TYPE kvpilot:lora_adapter_loaded gauge\n'
+            'kvpilot:lora_adapter_loaded{lora_name="sql"} 1.0\nkvpilot:lora_adapter_loaded{lora_name="old"} 0.0\n'
+            'vllm:num_requests_running{model_name="qwen"} 2.0\n')
+    assert loaded_adapters(page) == {"sql"}
+    assert loaded_adapters("<html>") == frozenset() and loaded_adapters("") == frozenset()

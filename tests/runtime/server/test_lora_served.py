@@ -5,10 +5,12 @@ the adapters' metrics. One server for the module (each start costs an engine pro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
 
+import aiohttp
 import httpx
 import pytest
 import torch
@@ -207,6 +209,26 @@ def test_lora_requests_info_is_vllms_gauge(lora_server):
     [(labels, value)] = samples.items()
     assert dict(labels) == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert abs(value - time.time()) < 60
+
+
+def test_the_operators_loader_brings_a_real_server_to_the_desired_adapters(lora_server, adapter_dirs):
+    """The contract between the operator's adapter loader and these routes: it reads /v1/models
+    with the admin token, leaves what is loaded where spec wants it, loads what spec adds and
+    unloads what spec drops."""
+    from kvpilot.operator.adapter_loading import bring_in_line
+
+    async def bring(desired):
+        async with aiohttp.ClientSession(headers=ADMIN) as session:
+            return await bring_in_line(session, "pod-0", lora_server.base_url, desired, "tiny")
+
+    before = {name: card["root"] for name, card in listed(lora_server, headers=ADMIN).items() if name != "tiny"}
+    assert {"shared", "alpha-lora", "beta-lora"} <= before.keys()
+    added = asyncio.run(bring({**before, "from-spec": str(adapter_dirs["live"])}))
+    assert added.failures == () and set(added.loaded) == {*before, "from-spec"}
+    tokens(complete(lora_server, "from-spec"))
+    removed = asyncio.run(bring(before))
+    assert removed.failures == () and set(removed.loaded) == set(before)
+    assert_openai_error(complete(lora_server, "from-spec"), 404, "model_not_found")
 
 
 def test_the_load_routes_are_404_without_an_admin_token(server):
