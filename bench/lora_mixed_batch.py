@@ -12,7 +12,6 @@ reported as in offline_throughput, and the ratio is base / mixed (0.8 and above:
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import _interleaved, _random_prompts, _row  # noqa: E402
+from offline_throughput import _interleaved, _random_prompts, _row, batched_workload_parser  # noqa: E402
 
 from kvpilot.runtime import LLM, SamplingParams  # noqa: E402
 from kvpilot.runtime.config import ModelConfig  # noqa: E402
@@ -50,15 +49,9 @@ def write_random_adapter(folder: Path, model: ModelConfig, rank: int, seed: int)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--batch", type=int, default=16, help="prompts run at once")
+    parser = batched_workload_parser(__doc__.splitlines()[0], "prompts run at once")
     parser.add_argument("--adapters", type=int, default=4, help="adapters the batch's rows are spread over")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = args.model or str(ensure_default_model())

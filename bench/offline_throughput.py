@@ -79,6 +79,18 @@ def _interleaved(sides: dict, repeats: int) -> dict[str, dict[str, list[float]]]
     return seconds
 
 
+def batched_workload_parser(description: str, batch_help: str) -> argparse.ArgumentParser:
+    """The flags of a one-engine bench that runs one prompt, then a batch (packed weights, LoRA)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--batch", type=int, default=16, help=batch_help)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
+    return parser
+
+
 def _row(workload: str, ours: dict, baseline: str, theirs: dict, show) -> str:
     """A table row: both sides by CPU time (min / median, through `show`), then the ratios
     baseline / kvpilot by CPU time and by wall clock (above 1: kvpilot takes less)."""

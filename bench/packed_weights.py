@@ -11,7 +11,6 @@ engines take turns, and min / median CPU and wall seconds are reported as in off
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -19,20 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import _interleaved, _kvpilot_run, _random_prompts, _row  # noqa: E402
+from offline_throughput import _interleaved, _kvpilot_run, _random_prompts, _row, batched_workload_parser  # noqa: E402
 
 from kvpilot.runtime import LLM, SamplingParams  # noqa: E402
 from kvpilot.runtime.models.default_model import ensure_default_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--batch", type=int, default=16, help="prompts of the batched workload")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
+    parser = batched_workload_parser(__doc__.splitlines()[0], "prompts of the batched workload")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = args.model or str(ensure_default_model())
