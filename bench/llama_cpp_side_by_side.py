@@ -36,13 +36,15 @@ METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT media
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int) -> Iterator[str]:
-    """`llama-server` on a free port; yields its base URL once /health answers 200."""
+def llama_server(binary: Path, gguf: Path, name: str, threads: int, slots: int, context_per_slot: int
+                 ) -> Iterator[str]:
+    """`llama-server` serving `gguf` as model `name` on a free port; yields its base URL once /health
+    answers 200."""
     port = _free_port()
     log = Path(tempfile.mkdtemp(prefix="llama-server-logs-")) / f"llama-server-{port}.log"
     with log.open("wb") as sink:
         server = subprocess.Popen(
-            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            [str(binary), "-m", str(gguf), "--alias", name, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
              "--parallel", str(slots), "-c", str(slots * context_per_slot)],
             stdout=sink, stderr=subprocess.STDOUT)
     try:
@@ -87,7 +89,7 @@ def main() -> None:
                       env={"OMP_NUM_THREADS": str(args.threads)}) as url:
         results["kvpilot"] = {c: measure(url, "bench", c, args) for c in concurrencies}
     if args.llama_server:
-        peer = llama_server(args.llama_server, args.model, args.threads, max(concurrencies),
+        peer = llama_server(args.llama_server, args.model, "bench", args.threads, max(concurrencies),
                             args.input_len * 2 + args.output_len)
     else:
         peer = local_server(str(args.model), "--served-model-name", "bench",
