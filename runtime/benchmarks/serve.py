@@ -62,6 +62,16 @@ def _chunk_text(chunk: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
+async def _sent(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """The response to `request`, its body still to stream. A server that closes a kept-alive
+    connection as the request goes out on it (llama.cpp's server closes one after a few requests)
+    is asked once more on a new connection: it answered nothing, so nothing counts twice."""
+    try:
+        return await client.send(request, stream=True)
+    except httpx.RemoteProtocolError:
+        return await client.send(request, stream=True)
+
+
 async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig, request: BenchRequest,
                        first_token: asyncio.Event | None = None) -> RequestResult:
     """One streamed request, timed; `first_token` (if given) is set when its first text arrives."""
@@ -69,7 +79,8 @@ async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig, requ
     start = last = time.perf_counter()
     result = RequestResult(success=False, sent_at=start)
     try:
-        async with client.stream("POST", path, json=body) as response:
+        response = await _sent(client, client.build_request("POST", path, json=body))
+        try:
             if response.status_code != 200:
                 await response.aread()
                 return replace(result, error=f"HTTP {response.status_code}: {_error_message(response)}")
@@ -91,6 +102,8 @@ async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig, requ
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+        finally:
+            await response.aclose()
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         return replace(result, error=f"{type(err).__name__}: {err}")
     result.e2e_latency = time.perf_counter() - start

@@ -52,8 +52,8 @@ TINY_ARGS = {
     "kv_events_cost.py": ["--num-prompts", "4", "--new-tokens", "2", "--max-num-seqs", "2", "--repeats", "1"],
     "router_overhead.py": ["--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--max-concurrency", "2",
                            "--repetitions", "1", "--idle-window", "0.1"],
-    # No llama-server binary here: the peer is a second kvpilot server (the report names it so).
-    "llama_cpp_side_by_side.py": ["--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+    # The peer is a second kvpilot server (the report names it so): no llama-server build in tests.
+    "llama_cpp_side_by_side.py": ["--stand-in", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
                                   "--concurrencies", "1,2", "--threads", "1"],
     "router_prefix_ttft.py": ["--conversations", "2", "--turns", "2", "--words-first-turn", "20",
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",

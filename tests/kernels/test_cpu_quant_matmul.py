@@ -131,6 +131,17 @@ def test_the_kernel_matches_dequantize_then_matmul(level, qtype, num_tokens):
     _assert_matches_reference(x, weight, level)
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_many_rows_dequantize_the_weight_exactly_for_torchs_gemm(level, qtype):
+    """From GEMM_MIN_ROWS rows on, the C dequantizer fills a scratch that torch's GEMM reads: an
+    identity x gives that scratch back bitwise, so it is exactly the reference dequantization."""
+    weight = packed(qtype, 37, 256, seed=3)
+    assert qm.GEMM_MIN_ROWS <= 256
+    assert torch.equal(qm.quant_matmul(torch.eye(256), weight, isa=level), qm.dequantize(weight).T)
+    x = torch.randn(qm.GEMM_MIN_ROWS + 3, 256, generator=_gen(7))
+    _assert_matches_reference(x, weight, level)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "int8"])
 @pytest.mark.parametrize("num_tokens", [1, 9])
 def test_shards_and_strided_rows_match(level, qtype, num_tokens):
