@@ -48,6 +48,11 @@ enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8, NUM_TYPES };
 /* Up to this many rows of x the decode shape runs; past it the tiled one. */
 #define GEMV_MAX_M 4
 #define GEMV_ROWS_PER_TASK 16
+/* The decode shape asks for the weight row this many rows ahead of the one it multiplies: a
+ * decode step reads each weight once, from memory, and these VMs' hardware prefetchers left the
+ * stream latency-bound. SmolLM2's decode step (all layers and the LM head, in order, 2 threads):
+ * 14.5 ms without, 10.8 with (medians of three runs each, alternating). */
+#define PREFETCH_ROWS 6
 #define TILE_ROWS 8
 #define TILE_COLS 1536
 #if defined(__AVX512F__)
@@ -298,9 +303,12 @@ INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int
 INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t r0, int64_t r1)
 {
     const int bs = block_size(t), bb = block_bytes(t);
-    const int64_t blocks = p->cols / bs, whole = blocks * bs;
+    const int64_t blocks = p->cols / bs, whole = blocks * bs, row_bytes = t == I8 ? p->cols : blocks * bb;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = p->w + r * p->w_stride;
+        if (r + PREFETCH_ROWS < p->rows)
+            for (int64_t line = 0; line < row_bytes; line += 64)
+                __builtin_prefetch(row + PREFETCH_ROWS * p->w_stride + line, 0, 0);
         const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
         vf acc[M][2];
         for (int m = 0; m < M; m++)

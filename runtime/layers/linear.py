@@ -4,8 +4,10 @@ Each layer owns only its rank's shard and knows how to cut that shard out of a f
 tensor (`load`), so a checkpoint is loaded the same way at any TP size.
 
 A checkpoint weight is a float tensor or a PackedWeight (kept quantized). A layer given packed
-weights holds them in `packed` (one per fused part) and multiplies with `quant_matmul`; its float
-`weight` parameter is then emptied. Every linear layer computes through `matmul(x)` (no bias, no
+weights holds them in `packed` and multiplies with `quant_matmul`; its float `weight` parameter is
+then emptied. Fused parts of one type (q, k and v of a Q4_1 file) become one PackedWeight, so a
+decode step makes one kernel call for them; parts of different types (a Q4_K_M file's v is Q6_K
+beside q and k's Q4_K) stay apart. Every linear layer computes through `matmul(x)` (no bias, no
 communication), and adds the LoRA adapters' products there (`lora`), whatever the weights are.
 Shards of packed weights are whole rows (column-parallel) or whole quantization blocks
 (row-parallel: a boundary inside a block is a ValueError, which the model's loader names).
@@ -40,10 +42,26 @@ def _packed_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return quant_matmul(flat, weight).reshape(*x.shape[:-1], weight.rows)
 
 
+def _fused(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Neighbouring parts of one type as one weight, their rows stacked in order."""
+    runs: list[list[PackedWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [run[0] if len(run) == 1 else PackedWeight(
+        run[0].qtype, sum(part.rows for part in run), run[0].cols, torch.cat([part.data for part in run]),
+        None if run[0].scales is None else torch.cat([part.scales for part in run])) for run in runs]
+
+
 class _PackedHolder(nn.Module):
     """The float `weight` parameter, or packed weights in its place once the checkpoint gives them."""
 
-    packed: list[PackedWeight | None] | None = None
+    # What matmul multiplies by, once every part is loaded; None for float weights.
+    packed: list[PackedWeight] | None = None
+    # The parts loaded so far, by fused part, while some are still to come.
+    _packed_parts: list[PackedWeight | None] | None = None
     # Whether a fused part came as a float tensor: one layer's parts are all packed or all float.
     float_loaded = False
     # The layer's adapter slots (runtime/lora/device_slots.py), when the engine serves LoRA adapters.
@@ -52,11 +70,13 @@ class _PackedHolder(nn.Module):
     def _hold_packed(self, index: int, parts: int, shard: PackedWeight) -> None:
         if self.float_loaded:
             raise ValueError("is packed where the layer's other parts are float (--quantization none loads it)")
-        if self.packed is None:
-            self.packed = [None] * parts
+        if self._packed_parts is None:
+            self._packed_parts = [None] * parts
             # Float storage the layer will never use: gone before the next layer loads.
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-        self.packed[index] = _owned(shard)
+        self._packed_parts[index] = _owned(shard)
+        if all(part is not None for part in self._packed_parts):
+            self.packed, self._packed_parts = _fused(self._packed_parts), None
 
     @property
     def input_features(self) -> int:
@@ -98,7 +118,7 @@ class ColumnParallelLinear(_PackedHolder):
             self._hold_packed(index, len(self.shard_sizes), full.narrow_rows(tp_rank() * size, size))
             return
         if param_name == "weight":
-            if self.packed is not None:
+            if self.packed is not None or self._packed_parts is not None:
                 raise ValueError("is float where the layer's other parts are packed (--quantization none loads it)")
             self.float_loaded = True
         shard = full.narrow(0, tp_rank() * size, size)

@@ -8,10 +8,12 @@ import logging
 import pytest
 import torch
 
-from kvpilot.kernels.cpu.quant_matmul import PackedWeight
+from kvpilot.kernels.cpu.quant_formats import random_blocks
+from kvpilot.kernels.cpu.quant_matmul import PackedWeight, dequantize, from_gguf
 from kvpilot.runtime import cli
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.layers.attention import get_attention_backend
+from kvpilot.runtime.layers.linear import ColumnParallelLinear
 from kvpilot.runtime.models.loader import load_model, weight_policy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -66,7 +68,9 @@ def test_smollm2_keeps_its_file_types_packed_and_says_so(smollm2_gguf, caplog):
     with caplog.at_level(logging.INFO, logger="kvpilot.runtime.models.loader"):
         model = _load(smollm2_gguf)
     layer, embed = model.layers[0], model.embed_tokens
-    assert [part.qtype for part in layer.self_attn.qkv_proj.packed] == ["Q4_1"] * 3
+    # q, k and v of one type: one weight, one kernel call a step.
+    [qkv] = layer.self_attn.qkv_proj.packed
+    assert (qkv.qtype, qkv.rows, qkv.cols) == ("Q4_1", 960, 576)
     assert layer.mlp.down_proj.packed[0].qtype == "Q4_1"
     assert embed.packed[0].qtype == "Q8_0" and model.lm_head.packed is embed.packed  # tied
     assert layer.self_attn.qkv_proj.weight.numel() == 0  # no float copy kept beside the blocks
@@ -79,3 +83,18 @@ def test_int8_packs_only_the_linear_layers(tiny_llama_dir):
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert all(isinstance(part, PackedWeight) and part.qtype == "int8" for part in linear.packed)
     assert embed.packed is None and embed.weight.dtype == torch.float32
+
+
+def test_fused_parts_of_one_type_become_one_weight_and_others_stay_apart():
+    """A Q4_K_M file's q and k (Q4_K) are multiplied as one weight, its v (Q6_K) on its own; the
+    product is the same as the parts' side by side."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [from_gguf(qtype, rows, 256, random_blocks(qtype, rows, 256, generator).numpy())
+             for qtype, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32))]
+    layer = ColumnParallelLinear(256, [64, 32, 32], bias=False, dtype=torch.float32)
+    for index, part in enumerate(parts):
+        layer.load("weight", part, index)
+    assert [(weight.qtype, weight.rows) for weight in layer.packed] == [("Q4_K", 96), ("Q6_K", 32)]
+    x = torch.randn(3, 256, generator=generator)
+    expected = x @ torch.cat([dequantize(part) for part in parts]).T
+    torch.testing.assert_close(layer.matmul(x), expected, rtol=1e-5, atol=1e-4)
