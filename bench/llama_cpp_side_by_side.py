@@ -64,7 +64,9 @@ def _built_llama_server() -> Path | None:
 
 def measure(base_url: str, model: str, concurrency: int, args: argparse.Namespace) -> dict:
     config = ServeBenchConfig(base_url=base_url, model=model, ignore_eos=True, max_concurrency=concurrency)
-    requests = random_dataset(args.num_prompts, args.input_len, args.output_len, seed=0)
+    # Prompts of their own per concurrency: llama-server keeps earlier prompts' KV in host memory
+    # (--cache-ram), and a run must not start from another's cache.
+    requests = random_dataset(args.num_prompts, args.input_len, args.output_len, seed=concurrency)
     result = benchmark_result(config, requests, {}, progress=False)
     expected = args.num_prompts * args.output_len
     if result["failed"] or result["total_output_tokens"] != expected:

@@ -2,13 +2,13 @@
 float32 `F.linear` on the same weights dequantized, side by side in one process.
 
 Each shape has as many distinct weights as the model has layers, and a timed pass runs through
-all of them once, as a decode step does: no weight sits in a core's own caches between its uses
-(a large shared L3 may still hold some, as it would in a real decode step; the float32 weights,
-5.6x larger, fit it less). Rows at one row of x (a decode step of one stream) and at sixteen.
-The achieved weight-read bandwidth is set against the machine's read bandwidth measured in the
-same run (a `torch.sum` over 1 GiB, larger than any cache); above 100 % means the shared L3 held
-part of the weights. The last rows sum one decode step's matmuls over all layers and
-the LM head (Q8_0, as the GGUF file stores the tied embedding).
+all of them once: no weight sits in a core's own caches between its uses, though a large shared
+L3 may hold a shape's weights between passes. The decode step's rows run every weight of a step
+in its order (all layers, then the LM head, Q8_0 as the GGUF file stores the tied embedding),
+more bytes than any cache: what a real decode step reads. Rows at one row of x (a decode step of
+one stream) and at sixteen. The achieved weight-read bandwidth is set against the machine's read
+bandwidth measured in the same run (a `torch.sum` over 1 GiB); above 100 % means the shared L3
+held part of the weights.
 
     .venv/bin/python bench/quant_matmul.py [--qtype Q4_1] [--isa avx2] [--output-dir DIR]
 
@@ -66,16 +66,13 @@ def weights(qtype: str, rows: int, cols: int, copies: int, seed: int) -> list[qm
     return [qm.PackedWeight(qtype, rows, cols, random_blocks(qtype, rows, cols, gen)) for _ in range(copies)]
 
 
-def measure(qtype: str, rows: int, cols: int, copies: int, num_tokens: int, repeats: int) -> dict:
-    """One pass over `copies` distinct weights of one shape, for both sides; seconds per matmul."""
-    packed = weights(qtype, rows, cols, copies, seed=rows * cols)
-    dense = [qm.dequantize(w) for w in packed]
-    x = torch.randn(num_tokens, cols, generator=torch.Generator().manual_seed(1))
-    out = torch.empty(num_tokens, rows)
-    diff = max((qm.quant_matmul(x, w) - F.linear(x, d)).abs().max().item() for w, d in zip(packed, dense))
-    kernel = median_seconds(lambda: [qm.quant_matmul(x, w, out=out) for w in packed], repeats) / copies
-    torch_mm = median_seconds(lambda: [F.linear(x, d) for d in dense], repeats) / copies
-    return {"kernel_s": kernel, "torch_s": torch_mm, "bytes": packed[0].nbytes, "dense_bytes": dense[0].nbytes,
+def measure(packed: list[qm.PackedWeight], dense: list[torch.Tensor], x: torch.Tensor, repeats: int) -> dict:
+    """One pass over the weights in order, for both sides; seconds per pass."""
+    diff = max((qm.quant_matmul(x[w.cols], w) - F.linear(x[w.cols], d)).abs().max().item()
+               for w, d in zip(packed, dense))
+    kernel = median_seconds(lambda: [qm.quant_matmul(x[w.cols], w) for w in packed], repeats)
+    torch_mm = median_seconds(lambda: [F.linear(x[d.shape[1]], d) for d in dense], repeats)
+    return {"kernel_s": kernel, "torch_s": torch_mm, "bytes": sum(w.nbytes for w in packed),
             "max_abs_diff": diff}
 
 
@@ -99,23 +96,32 @@ def main() -> None:
     level = qm.chosen_isa()
     bandwidth = read_bandwidth(BANDWIDTH_BYTES >> (8 if args.tiny else 0), repeats)
 
+    shapes = [(shape, args.qtype, layers) for shape in layer_shapes] + [(head, HEAD_QTYPE, 1)]
+    packed = {shape: weights(qtype, shape[1], shape[2], copies, seed=shape[1] * shape[2])
+              for shape, qtype, copies in shapes}
+    dense = {shape: [qm.dequantize(w) for w in ws] for shape, ws in packed.items()}
+    # A decode step's order: layer by layer, each weight as often as the layer uses its shape.
+    step_order = [(shape, layer) for layer in range(layers) for shape, _, _ in shapes[:-1]
+                  for _ in range(shape[3])] + [(head, 0)]
     rows, step = [], {}
     for num_tokens in args.num_tokens:
-        step[num_tokens] = {"kernel_s": 0.0, "torch_s": 0.0, "bytes": 0, "dense_bytes": 0}
-        for (name, out_features, in_features, per_layer), qtype, copies in (
-                [(shape, args.qtype, layers) for shape in layer_shapes] + [(head, HEAD_QTYPE, 1)]):
-            result = measure(qtype, out_features, in_features, copies, num_tokens, repeats)
-            calls = per_layer * copies
-            for key in ("kernel_s", "torch_s", "bytes", "dense_bytes"):
-                step[num_tokens][key] += result[key] * calls
-            rows.append(_row(f"{name} {out_features}x{in_features} {qtype}", num_tokens, result, bandwidth))
-        rows.append(_row(f"**decode step, all {layers} layers + head**", num_tokens,
-                         {**step[num_tokens], "max_abs_diff": float("nan")}, bandwidth))
+        gen = torch.Generator().manual_seed(1)
+        x = {cols: torch.randn(num_tokens, cols, generator=gen) for cols in {shape[2] for shape in packed}}
+        for shape, qtype, copies in shapes:
+            result = measure(packed[shape], dense[shape], x, repeats)
+            per_matmul = {**result, "kernel_s": result["kernel_s"] / copies, "torch_s": result["torch_s"] / copies,
+                          "bytes": result["bytes"] / copies}
+            rows.append(_row(f"{shape[0]} {shape[1]}x{shape[2]} {qtype}", num_tokens, per_matmul, bandwidth))
+        step[num_tokens] = measure([packed[shape][layer] for shape, layer in step_order],
+                                   [dense[shape][layer] for shape, layer in step_order], x, repeats)
+        rows.append(_row(f"**decode step, all {layers} layers + head, in order**", num_tokens, step[num_tokens],
+                         bandwidth))
     body = "\n\n".join([
         f"Kernel ISA level: **{level}** (runnable here: {', '.join(qm.runnable_isas())}). Measured read "
         f"bandwidth (torch.sum over {BANDWIDTH_BYTES >> (8 if args.tiny else 0) >> 20} MiB float32): "
-        f"**{bandwidth / 1e9:.1f} GB/s**. Times are medians of {repeats} passes, per matmul; each pass reads "
-        f"{layers} distinct weights per shape. `x` is the kernel's speedup over float32 `F.linear` on the "
+        f"**{bandwidth / 1e9:.1f} GB/s**. Times are medians of {repeats} passes. A shape's row: per matmul, "
+        f"each pass reading its {layers} distinct weights, which a large L3 may hold between passes; the "
+        f"decode step's row: one pass over every weight in a step's order, larger than any cache. `x` is the kernel's speedup over float32 `F.linear` on the "
         f"dequantized weights; `of bw` is the kernel's weight bytes per second over the measured read bandwidth.",
         markdown_table(["workload", "tokens", "kernel µs", "float32 mm µs", "speedup", "weight MB", "kernel GB/s",
                         "of bw", "max abs diff"], rows),
