@@ -120,9 +120,10 @@ def main() -> None:
     body = (f"File: {args.model}. {args.num_prompts} completions per run ({args.input_len} random words in, "
             f"{args.output_len} out with ignore_eos), {args.threads} threads per server, one server at a time."
             f"\n\n{table}")
-    first = concurrencies[0]
-    headline = (f"kvpilot / {peer_name} output tok/s at concurrency {first}: "
-                f"{results['kvpilot'][first]['output_throughput'] / results[peer_name][first]['output_throughput']:.2f}x")
+    headline = f"kvpilot / {peer_name}: " + "; ".join(
+        f"output tok/s at concurrency {c} {results['kvpilot'][c]['output_throughput'] / results[peer_name][c]['output_throughput']:.2f}x"
+        f", median TTFT {results['kvpilot'][c]['median_ttft_ms'] / results[peer_name][c]['median_ttft_ms']:.2f}x"
+        for c in concurrencies)
     figure = line_figure(report.output_path("output_throughput.png"),
                          {name: [(c, runs[c]["output_throughput"]) for c in concurrencies]
                           for name, runs in results.items()},
