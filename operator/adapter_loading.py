@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 class AdapterLoading:
     # It keeps nothing between intervals: every interval reads the pods afresh.
     memory = "adapters"
+    status_fields = ("adapters",)
+    condition_types = (adapters.CONDITION,)
 
     def __init__(
         self, reconciler: reconcile.Reconciler, *, pod_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_url

@@ -79,6 +79,19 @@ def recorded_in_turn(records: Sequence[StatusChange], fresh: Mapping[str, Any]) 
     return merged(changes)
 
 
+def retired(status: Mapping[str, Any] | None, off: Sequence[Controller]) -> dict[str, Any] | None:
+    """The status merge patch that removes what the controllers turned off kept there: their parts
+    of the memory, their fields and their conditions; None where status holds none of it."""
+    status = status or {}
+    patch = control_memory.forgotten(status, [c.memory for c in off]) or {}
+    patch.update({field: None for c in off for field in c.status_fields if field in status})
+    types = {kind for c in off for kind in c.condition_types}
+    conditions = status.get("conditions") or []
+    if any(condition.get("type") in types for condition in conditions):
+        patch["conditions"] = [condition for condition in conditions if condition.get("type") not in types]
+    return patch or None
+
+
 class ControlLoops:
     def __init__(
         self,
@@ -156,11 +169,11 @@ class ControlLoops:
         off = [controller for controller in self.controllers if not controller.wants(engine["spec"])]
         for controller in off:
             controller.forget(key)
-        if control_memory.forgotten(engine.get("status"), [c.memory for c in off]) is None:
+        if retired(engine.get("status"), off) is None:
             return
 
         async def gone(fresh: Mapping[str, Any]) -> dict[str, Any]:
-            return control_memory.forgotten(fresh.get("status"), [c.memory for c in off]) or {}
+            return retired(fresh.get("status"), off) or {}
 
         await self._reconciler.update_status(*key, gone)
 
@@ -229,6 +242,9 @@ class Autoscaling:
     post an Event per change, and record the reading and the conditions in status."""
 
     memory = control_memory.AUTOSCALER
+    # Its fields and conditions stay as the record of its last decision once it is turned off.
+    status_fields: tuple[str, ...] = ()
+    condition_types: tuple[str, ...] = ()
 
     def __init__(self, reconciler: reconcile.Reconciler) -> None:
         self._reconciler = reconciler

@@ -40,6 +40,10 @@ class Step:
 
 class Controller(Protocol):
     memory: str  # its part of status.controlMemory (control_memory.py)
+    # What else of status it alone keeps up to date (fields, condition types): removed when it is
+    # turned off, so that status never shows what nothing maintains.
+    status_fields: tuple[str, ...]
+    condition_types: tuple[str, ...]
 
     def wants(self, spec: Mapping[str, Any]) -> bool:
         """Whether the engine needs this controller's step every interval."""

@@ -28,6 +28,9 @@ CHANGED = "SchedulingPolicyChanged"
 
 class PolicyTuning:
     memory = control_memory.TUNER
+    # Its fields and conditions stay as the record of its last decision once it is turned off.
+    status_fields: tuple[str, ...] = ()
+    condition_types: tuple[str, ...] = ()
 
     def __init__(
         self, reconciler: reconcile.Reconciler, *, pod_url: Callable[[Mapping[str, Any]], str | None] = metrics.pod_url

@@ -289,4 +289,10 @@ def test_a_failed_load_is_reported_naming_pod_and_adapter_and_blocks_nothing_els
                 assert refusing.lora_calls == ["load legal", "load sql", "load legal"]
                 assert good.lora_calls == ["load legal", "load sql"]  # already in line: only read
 
+                # LoRA turned off (the pods roll without --enable-lora): nothing keeps the list.
+                await k.update_engine("qwen", lambda spec: spec.pop("adapters"))
+                await loops.tick(harness.NAMESPACE, "qwen")
+                assert "adapters" not in k.engine("qwen")["status"]
+                assert harness.condition(k.engine("qwen"), "AdaptersLoaded") == {}
+
     harness.run(scenario())
