@@ -7,9 +7,13 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvpilot.runtime.lora.request import LoRARequest
 from kvpilot.runtime.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    # msgspec's; the operator's image, which imports this package's CLI, has no msgspec.
+    from kvpilot.runtime.lora.request import LoRARequest
 
 # Below this temperature sampling is argmax, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
