@@ -43,14 +43,15 @@ def _packed_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 
 def _fused(parts: list[PackedWeight]) -> list[PackedWeight]:
-    """Neighbouring parts of one type as one weight, their rows stacked in order."""
+    """Neighbouring parts of one type as one weight, their rows stacked in order; each in memory of
+    its own (stacking copies them, a part alone is copied by `_owned`)."""
     runs: list[list[PackedWeight]] = []
     for part in parts:
         if runs and runs[-1][0].qtype == part.qtype:
             runs[-1].append(part)
         else:
             runs.append([part])
-    return [run[0] if len(run) == 1 else PackedWeight(
+    return [_owned(run[0]) if len(run) == 1 else PackedWeight(
         run[0].qtype, sum(part.rows for part in run), run[0].cols, torch.cat([part.data for part in run]),
         None if run[0].scales is None else torch.cat([part.scales for part in run])) for run in runs]
 
@@ -74,7 +75,7 @@ class _PackedHolder(nn.Module):
             self._packed_parts = [None] * parts
             # Float storage the layer will never use: gone before the next layer loads.
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-        self._packed_parts[index] = _owned(shard)
+        self._packed_parts[index] = shard
         if all(part is not None for part in self._packed_parts):
             self.packed, self._packed_parts = _fused(self._packed_parts), None
 

@@ -53,10 +53,19 @@ def module_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
 def load_adapter(name: str, path: str | Path, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
     """The adapter in the PEFT folder `path`; LoRAAdapterError for one that does not fit `model`."""
 
+    shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:200]}..."
+
     def refuse(problem: str) -> LoRAAdapterError:
-        return LoRAAdapterError(f"LoRA adapter {name!r} ({path}): {problem}")
+        return LoRAAdapterError(f"LoRA adapter {name!r} ({shown}): {problem}")
 
     folder = Path(path)
+    try:
+        return _load(name, folder, refuse, model, max_lora_rank)
+    except OSError as err:  # a path too long, a folder not readable: the adapter's fault, not the engine's
+        raise refuse(f"its files cannot be read: {err.strerror or err}") from None
+
+
+def _load(name: str, folder: Path, refuse, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
     config = _read_config(folder, refuse)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):

@@ -36,6 +36,7 @@ def adapter_dirs(tiny_llama_dir, tmp_path_factory, make_peft_adapter) -> dict:
     weights = dirs["corrupt"] / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     dirs["missing"] = folder / "missing"
+    dirs["too-long"] = folder / ("a" * 300)  # one name past the file system's 255 bytes
     return dirs
 
 
@@ -153,6 +154,7 @@ def test_load_use_unload_and_use_again_is_a_404_without_a_restart(lora_server, a
     ("head", "lm_head.*adapts something other than"),
     ("corrupt", "not readable safetensors"),
     ("missing", "no adapter_config.json"),
+    ("too-long", "its files cannot be read: File name too long"),
 ])
 def test_a_bad_adapter_gets_a_400_naming_it_and_the_rest_keeps_serving(lora_server, adapter_dirs, name, problem):
     import re
