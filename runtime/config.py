@@ -370,6 +370,10 @@ class ParallelConfig:
         60.0, "seconds a rank waits for the others, to join at start or to answer a step, before the engine "
         "fails naming the missing rank and host", above=0.0, metavar="SECONDS")
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
 
 @dataclass
 class LoRAConfig:
@@ -481,7 +485,12 @@ class _EngineArgsMethods:
         parallel = ParallelConfig(**groups["parallel"])
         _check_tensor_parallel(model, parallel.tensor_parallel_size)
         _check_layout(parallel)
+        _require(parallel.pipeline_parallel_size <= model.num_hidden_layers, "pipeline_parallel_size",
+                 f"{parallel.pipeline_parallel_size} is more stages than the model has layers ({model.num_hidden_layers})")
         lora = LoRAConfig(**groups["lora"])
+        _require(not (lora.enable_lora and parallel.pipeline_parallel_size > 1), "enable_lora",
+                 "is not supported with pipeline_parallel_size above 1 yet: the adapters' slots assume every layer "
+                 "on each rank")
         # A host cache smaller than the slots would read adapters in use from disk again and again.
         _require(lora.max_cpu_loras is None or lora.max_cpu_loras >= lora.max_loras, "max_cpu_loras",
                  f"({lora.max_cpu_loras}) must be at least max_loras ({lora.max_loras})")
@@ -514,15 +523,14 @@ def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
 
 
 def _check_layout(parallel: ParallelConfig) -> None:
-    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    _require(ranks % parallel.nnodes == 0, "nnodes",
-             f"{parallel.nnodes} does not divide the {ranks} ranks (tensor_parallel_size * pipeline_parallel_size)")
+    _require(parallel.world_size % parallel.nnodes == 0, "nnodes",
+             f"{parallel.nnodes} does not divide the {parallel.world_size} ranks "
+             "(tensor_parallel_size * pipeline_parallel_size)")
     _require(parallel.node_rank < parallel.nnodes, "node_rank",
              f"{parallel.node_rank} is not below nnodes ({parallel.nnodes})")
     _require(parallel.headless == (parallel.node_rank > 0), "headless",
              "is for every host but node 0, which runs the API server" if parallel.headless
              else f"is needed on node {parallel.node_rank}: only node 0 runs the API server")
-    _require(parallel.pipeline_parallel_size == 1, "pipeline_parallel_size", "above 1 is not supported yet")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -38,14 +38,9 @@ _PROBE = "import ctypes, sys; sys.exit(getattr(ctypes.CDLL(sys.argv[1]), sys.arg
 _PROBE_TIMEOUT_S = 60
 
 
-# The kernels' 64-byte vectors never cross a call boundary (all inlined): GCC's note that passing
-# them would change the ABI below AVX-512 does not apply.
-_LEVEL_FLAGS = ("-Wno-psabi",)
-
-
 def library(source: Path, level: str) -> Path:
     """The library built from `source` for `level` (compiled now unless cached)."""
-    return library_path(source, (*LEVELS[level][1], *_LEVEL_FLAGS, *COMMON_FLAGS))
+    return library_path(source, (*LEVELS[level][1], *COMMON_FLAGS))
 
 
 @functools.cache

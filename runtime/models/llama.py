@@ -17,7 +17,7 @@ from torch import nn
 
 from kvpilot.kernels.cpu.quant_matmul import PackedWeight
 from kvpilot.runtime.config import ModelConfig
-from kvpilot.runtime.distributed import tp_size
+from kvpilot.runtime.distributed import is_first_stage, is_last_stage, pp_rank, pp_size, stage_layers, tp_size
 from kvpilot.runtime.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from kvpilot.runtime.layers.linear import (
     ColumnParallelLinear,
@@ -97,6 +97,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The whole model, or under pipeline parallelism one stage of it: the first stage embeds the
+    tokens, each runs its own decoder layers, the last normalises and holds the LM head."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
@@ -104,25 +107,37 @@ class LlamaForCausalLM(nn.Module):
         # RMSNorm: Triton's, or the C ones of the cpu backend).
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling, backend.name)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.torch_dtype)
+        first, last = is_first_stage(), is_last_stage()
+        self.layer_range = stage_layers(config.num_hidden_layers, pp_rank(), pp_size())
+        # A tied LM head is the embedding's weight: the last stage holds the embedding for it.
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.torch_dtype) \
+            if first or (last and config.tie_word_embeddings) else None
+        # Other stages' layers are placeholders, so that layer i keeps the checkpoint's number i.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, backend) if i in self.layer_range else nn.Identity()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, backend.name)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
-        if config.tie_word_embeddings:
+        self.own_layers = [self.layers[i] for i in self.layer_range]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, backend.name) \
+            if last else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype) if last else None
+        if last and config.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [layer.self_attn.attn for layer in self.own_layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states, [num_tokens, hidden_size]."""
-        hidden = self.embed_tokens.forward(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                stream: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The final hidden states, [num_tokens, hidden_size]; before the last pipeline stage, the
+        residual stream to hand on instead: (hidden, residual). A stage after the first starts
+        from the `stream` its predecessor handed on."""
+        hidden, residual = (self.embed_tokens.forward(input_ids), None) if stream is None else stream
+        for layer in self.own_layers:
             hidden, residual = layer.forward(positions, hidden, residual, metadata)
+        if self.norm is None:
+            return hidden, residual
         return self.norm.forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         loaded = set()
         shapes = _checkpoint_shapes(self.config)
         for hf_name, tensor in weights:
+            if not self._holds(hf_name):
+                continue  # another pipeline stage's
             target = _PARAMETER_ROUTES.get(hf_name.rsplit(".", 2)[-2], None)
             module_path, param_name = hf_name.removeprefix("model.").rsplit(".", 1)
             _check_shape(hf_name, tensor, shapes.get(module_path.rsplit(".", 1)[-1]), param_name)
@@ -159,12 +176,20 @@ class LlamaForCausalLM(nn.Module):
                 module.load(param_name, tensor, index)
             except ValueError as err:  # packed: a shard inside a block, or fused parts packed and float
                 raise ValueError(f"checkpoint weight {hf_name} {err}") from None
-        if self.config.tie_word_embeddings:
+        if self.lm_head is not None and self.config.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
         missing = [name if name.startswith("lm_head.") else f"model.{name}"
                    for name in self._unfused_parameter_names() if name not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+    def _holds(self, hf_name: str) -> bool:
+        """Whether this stage has a place for the checkpoint weight (every name is the model's own
+        or refused later); a decoder layer's weights belong to one stage."""
+        parts = hf_name.removeprefix("model.").split(".")
+        if parts[0] == "layers" and parts[1].isdigit():
+            return int(parts[1]) in self.layer_range or int(parts[1]) >= self.config.num_hidden_layers
+        return getattr(self, parts[0], True) is not None
 
     def _unfused_parameter_names(self) -> list[str]:
         """Every parameter's name, a fused layer's parameter once per part it is loaded from."""

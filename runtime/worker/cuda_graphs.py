@@ -20,10 +20,9 @@ from kvpilot.runtime.worker.step_inputs import StepBuffers, StepInputs
 logger = logging.getLogger(__name__)
 
 
-def can_capture(device: torch.device, backend_name: str, enforce_eager: bool, tensor_parallel_size: int) -> bool:
-    # Tensor-parallel all-reduces inside a graph need a graph-safe communicator; not done yet.
-    return (device.type == "cuda" and backend_name == "triton" and not enforce_eager
-            and tensor_parallel_size == 1)
+def can_capture(device: torch.device, backend_name: str, enforce_eager: bool, world_size: int) -> bool:
+    # Collectives inside a graph (TP's all-reduces, PP's sends) need a graph-safe communicator; not done yet.
+    return device.type == "cuda" and backend_name == "triton" and not enforce_eager and world_size == 1
 
 
 class DecodeGraphs:

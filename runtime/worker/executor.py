@@ -1,11 +1,16 @@
-"""How the EngineCore reaches the model: in-process for one rank, through worker processes for TP.
+"""How the EngineCore reaches the model: in-process for one rank, through worker processes for TP
+and PP.
 
-TP workers are symmetric, as in vLLM V1: every rank gets the same SchedulerOutput, runs its shard
-of the model (the layers all-reduce and all-gather between them) and samples the same tokens
-from the same full logits with the same generators. Rank 0's output is the step's result. Each
-rank also reports a fingerprint of its persistent batch after every step: ranks whose batches
-differ would all-reduce one request's partial sums into another's, so the executor fails the
-engine the moment they disagree rather than return wrong tokens.
+Workers are symmetric, as in vLLM V1: every rank gets the same SchedulerOutput and updates the
+same persistent batch. A TP rank runs its shard of its stage's layers (the layers all-reduce and
+all-gather between them); a pipeline stage receives the residual stream from the stage before,
+runs its layers and hands the stream on. The last stage's TP ranks sample the same tokens from
+the same full logits with the same generators and hand them to every rank; the first of them
+gives the step's result. One batch is in the pipeline at a time, so each stage idles while the
+others run (the bubble BENCHMARKS.md measures). Each rank also reports a fingerprint of its
+persistent batch after every step: ranks whose batches differ would mix one request's partial
+sums or stream into another's, so the executor fails the engine the moment they disagree rather
+than return wrong tokens.
 
 Calls travel over one pipe per worker as msgspec msgpack bytes; nothing is pickled after the
 workers start. A worker that dies fails the call at once instead of leaving the others waiting.
@@ -30,6 +35,7 @@ from typing import Protocol
 import msgspec
 import torch
 
+from kvpilot.runtime import distributed
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.engine.parent_watch import kill_with_parent, remove_if_orphaned
@@ -57,7 +63,7 @@ class Executor(Protocol):
 
 
 def create_executor(config: EngineConfig, device: torch.device) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.world_size == 1:
         return ModelRunner(config, device)
     return MultiprocExecutor(config, device.type)
 
@@ -92,10 +98,11 @@ _Call = tuple[str, bytes]
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, device_type: str) -> None:
         parallel = config.parallel
-        self.world_size = parallel.tensor_parallel_size
+        self._output_rank = hosts.output_rank(parallel)
         local = len(hosts.host_ranks(parallel))
         if device_type == "cuda" and torch.cuda.device_count() < local:
-            raise ValueError(f"tensor_parallel_size={self.world_size} needs {local} GPUs on this host, "
+            raise ValueError(f"{parallel.world_size} ranks (tensor_parallel_size * pipeline_parallel_size) "
+                             f"over {parallel.nnodes} host(s) need {local} GPUs on this host, "
                              f"{torch.cuda.device_count()} are visible")
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvpilot-tp-")
         remove_if_orphaned(self._rendezvous_dir)
@@ -106,7 +113,8 @@ class MultiprocExecutor:
         self._collect()  # each worker reports once its shard is loaded (rank 0: every rank's)
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self._call("kv_cache_bytes_per_block")[0].value
+        # Pipeline stages may hold a layer more than others: the fullest stage's block decides.
+        return max(reply.value for reply in self._call("kv_cache_bytes_per_block"))
 
     def kv_cache_budget_bytes(self) -> int:
         # The ranks hold equal shards, so the tightest rank decides for all.
@@ -119,8 +127,8 @@ class MultiprocExecutor:
         replies = self._call("execute_model", scheduler_output)
         layouts = [reply.layout for reply in replies]
         if len(set(layouts)) > 1:
-            self._fail(RuntimeError(f"TP ranks disagree on the batch layout (fingerprint per rank: {layouts})"))
-        return replies[0].output
+            self._fail(RuntimeError(f"ranks disagree on the batch layout (fingerprint per rank: {layouts})"))
+        return replies[self._output_rank].output
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         self._call("add_lora", lora_request)
@@ -247,17 +255,18 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
         try:
             torch.distributed.init_process_group(
                 "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                world_size=parallel.tensor_parallel_size,
+                world_size=parallel.world_size,
                 timeout=datetime.timedelta(seconds=parallel.distributed_timeout),
             )
         except Exception as exc:  # noqa: BLE001 - the first line of torch's message says enough
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise RuntimeError(f"rank {rank} could not join the {parallel.tensor_parallel_size} ranks at "
+            raise RuntimeError(f"rank {rank} could not join the {parallel.world_size} ranks at "
                                f"{init_method} within {parallel.distributed_timeout:g} s "
                                f"(--distributed-timeout): {first_line}") from None
         # NCCL connects its transports at the first collective: make it now, so that a broken one
         # fails the engine's start rather than its first request.
         torch.distributed.all_reduce(torch.zeros(1, device=device))
+        distributed.init_model_parallel(parallel.tensor_parallel_size)
         control = hosts.ControlGroup(parallel.distributed_timeout) if parallel.nnodes > 1 else None
         runner = ModelRunner(config, device)
         started = WorkerReply()
@@ -266,7 +275,7 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
     try:
         _reply(started, pipe, control, encoder)
         if runner is not None:
-            _serve(runner, rank, pipe, control, encoder)
+            _serve(runner, rank, pipe, control, encoder, gives_output=rank == hosts.output_rank(parallel))
     except RuntimeError as exc:  # a collective of the control group failed: a host is gone
         if pipe is None:
             raise
@@ -282,7 +291,7 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
 
 
 def _serve(runner: ModelRunner, rank: int, pipe: Connection | None, control: hosts.ControlGroup | None,
-           encoder: msgspec.msgpack.Encoder) -> None:
+           encoder: msgspec.msgpack.Encoder, gives_output: bool) -> None:
     """The calls, one at a time, until the executor closes the pipe (or rank 0 relays that it did)."""
     decoders = {name: msgspec.msgpack.Decoder(kind) if kind else None for name, kind in _ARGUMENT_TYPES.items()}
     calls = msgspec.msgpack.Decoder(_Call)
@@ -302,7 +311,8 @@ def _serve(runner: ModelRunner, rank: int, pipe: Connection | None, control: hos
             decoder = decoders[method]
             result = getattr(runner, method)(*([decoder.decode(payload)] if decoder else []))
             if method == "execute_model":
-                reply = WorkerReply(output=result if rank == 0 else None, layout=runner.batch.layout_fingerprint())
+                reply = WorkerReply(output=result if gives_output else None,
+                                    layout=runner.batch.layout_fingerprint())
             else:
                 reply = WorkerReply(value=result)
         except Exception as exc:  # noqa: BLE001 - the executor turns it into an engine failure

@@ -1,7 +1,8 @@
 """Where the ranks of one engine run, and how their calls reach them when they span hosts.
 
 Ranks are numbered across hosts: host k of --nnodes N runs the ranks [k * W/N, (k + 1) * W/N) of
-the W = tensor_parallel_size ranks, so that a host holds consecutive ranks. They join one
+the W = tensor_parallel_size * pipeline_parallel_size ranks, so that a host holds consecutive
+ranks (whole pipeline stages where it can: runtime/distributed). They join one
 torch.distributed group: through a file on one host, through host 0's --master-addr and
 --master-port (torch's TCP store) across hosts.
 
@@ -33,8 +34,13 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 def host_ranks(parallel: ParallelConfig) -> range:
     """The global ranks this host runs."""
-    per_host = parallel.tensor_parallel_size // parallel.nnodes
+    per_host = parallel.world_size // parallel.nnodes
     return range(parallel.node_rank * per_host, (parallel.node_rank + 1) * per_host)
+
+
+def output_rank(parallel: ParallelConfig) -> int:
+    """The rank whose reply is the step's result: the last pipeline stage's first, which samples."""
+    return parallel.world_size - parallel.tensor_parallel_size
 
 
 def init_method(parallel: ParallelConfig, rendezvous_dir: str) -> str:

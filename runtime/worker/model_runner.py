@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvpilot.runtime import distributed
 from kvpilot.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvpilot.runtime.core.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.layers.attention import get_attention_backend
@@ -57,9 +58,10 @@ class ModelRunner:
             if config.lora.enable_lora else None
         # A captured graph would not see the per-step LoRA index (its kernels read it from the host).
         self.capture_graphs = bool(self.decode_sizes) and self.lora is None and can_capture(
-            device, backend.name, config.model.enforce_eager, config.parallel.tensor_parallel_size)
+            device, backend.name, config.model.enforce_eager, config.parallel.world_size)
         self.graphs: DecodeGraphs | None = None
         self.logits_state = LogitsState(config.model.vocab_size, config.model.eos_token_ids, device)
+        self.pipelined = config.parallel.pipeline_parallel_size > 1
         self._sampled_req_ids: list[str] | None = None
         self._sampling_settings: dict = {}
 
@@ -116,8 +118,8 @@ class ModelRunner:
         step = StepInputs.build(self.batch, scheduler_output.num_scheduled_tokens, self.block_size)
         # The scheduler advances its counts the same way and ships none for a plain decode.
         self.batch.num_computed_tokens[step.rows] = step.seq_lens
-        hidden = self._forward(step)
-        prompt_logprobs = self._prompt_logprobs(step, hidden)
+        hidden = self._forward(step)  # None before the last pipeline stage
+        prompt_logprobs = self._prompt_logprobs(step, hidden) if hidden is not None else {}
 
         # A request samples only once every token it has is computed; a partial prefill chunk does not.
         sample_idx = np.flatnonzero(step.seq_lens == self.batch.num_tokens[step.rows])
@@ -130,44 +132,71 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray,
+    def _sample(self, step: StepInputs, hidden: torch.Tensor | None, sample_idx: np.ndarray,
                 grammar: GrammarBitmask | None, sampled: list, logprobs: list) -> None:
         """Samples the requests at `sample_idx` (of the step), filling their entries of `sampled`
-        and `logprobs`, and appends their tokens to the batch."""
-        every_row = len(sample_idx) == step.num_tokens
-        if not every_row:
-            # Only the rows that sample reach the LM head (a pure decode step samples every row).
-            hidden = hidden[to_device(step.query_start_loc[1:][sample_idx] - 1, self.device)]
-        logits = self.model.compute_logits(hidden)
-        sample_ids = step.req_ids if every_row else [step.req_ids[i] for i in sample_idx]
+        and `logprobs`, and appends their tokens to the batch. Under pipeline parallelism the last
+        stage samples and hands the tokens to every rank, whose next step feeds them to the model."""
+        sample_ids = step.req_ids if len(sample_idx) == step.num_tokens else [step.req_ids[i] for i in sample_idx]
         sample_rows = step.rows[sample_idx]
-        metadata = self._sampling_metadata(sample_rows, sample_ids)
-        metadata.grammar_bitmask = self._grammar_bitmask(grammar, sample_ids)
-        output = self.sampler(logits, metadata, self.generator)
-        self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
-        tokens = output.sampled_token_ids.tolist()
+        if hidden is None:
+            token_ids = torch.empty(len(sample_idx), dtype=torch.int64, device=self.device)
+            output = None
+        else:
+            output = self._sampler_output(step, hidden, sample_idx, grammar, sample_ids, sample_rows)
+            token_ids = output.sampled_token_ids
+        if self.pipelined:
+            token_ids = distributed.broadcast_from_last_stage(token_ids)
+        self.logits_state.record_sampled(sample_ids, token_ids)
+        tokens = token_ids.tolist()
         self.batch.append_tokens(sample_rows, tokens)
-        if every_row:
+        if len(sample_idx) == step.num_tokens:
             sampled[:] = [[token] for token in tokens]
         else:
             for j, i in enumerate(sample_idx.tolist()):
                 sampled[i].append(tokens[j])
-        if output.logprobs is not None:
+        if output is not None and output.logprobs is not None:
             for j, i in enumerate(sample_idx):
                 num = self.batch.num_logprobs.get(step.req_ids[i])
                 if num is not None:
                     logprobs[i] = [_row_logprobs(output.logprobs, j, num)]
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
-        """The final hidden states of the step's tokens; padding rows, if any, are cut off."""
+    def _sampler_output(self, step: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray,
+                        grammar: GrammarBitmask | None, sample_ids: list[str], sample_rows: np.ndarray):
+        if len(sample_idx) != step.num_tokens:
+            # Only the rows that sample reach the LM head (a pure decode step samples every row).
+            hidden = hidden[to_device(step.query_start_loc[1:][sample_idx] - 1, self.device)]
+        logits = self.model.compute_logits(hidden)
+        metadata = self._sampling_metadata(sample_rows, sample_ids)
+        metadata.grammar_bitmask = self._grammar_bitmask(grammar, sample_ids)
+        return self.sampler(logits, metadata, self.generator)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor | None:
+        """The final hidden states of the step's tokens, padding rows cut off; None on a pipeline
+        stage before the last, which hands its residual stream on to the next instead."""
         padded = step.decode_size(self.decode_sizes) if self.decode_sizes else None
         graphed = padded is not None and self.graphs is not None
         input_ids, positions, metadata = self.buffers.load(step, padded, full_block_tables=graphed)
         if self.lora is not None:
             self.lora.batch.set_token_slots(_token_lora_slots(self.batch.lora_slot[step.rows], step,
                                                               len(input_ids)))
+        if self.pipelined:
+            return self._forward_stage(input_ids, positions, metadata, step.num_tokens)
         hidden = self.graphs.replay(padded) if graphed else self.model(input_ids, positions, metadata)
         return hidden[: step.num_tokens]
+
+    def _forward_stage(self, input_ids, positions, metadata, num_tokens: int) -> torch.Tensor | None:
+        stream = None
+        if not distributed.is_first_stage():
+            # Every rank builds the same step, so the stream's size is known without asking.
+            received = torch.empty(2, len(input_ids), self.config.model.hidden_size,
+                                   dtype=self.config.model.torch_dtype, device=self.device)
+            stream = tuple(distributed.receive_from_previous_stage(received))
+        out = self.model(input_ids, positions, metadata, stream)
+        if distributed.is_last_stage():
+            return out[:num_tokens]
+        distributed.send_to_next_stage(torch.stack(out))
+        return None
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:

@@ -87,6 +87,9 @@ def test_serve_flags_become_the_same_engine_args_as_the_keywords(monkeypatch, ti
     ({"master_port": 70000}, "master_port must be at most 65535, got 70000"),
     ({"max_lora_rank": 0}, "max_lora_rank must be a positive integer, got 0"),
     ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras (2) must be at least max_loras (4)"),
+    ({"pipeline_parallel_size": 3}, "pipeline_parallel_size 3 is more stages than the model has layers (2)"),
+    ({"pipeline_parallel_size": 2, "enable_lora": True}, "enable_lora is not supported with pipeline_parallel_size "
+                                                         "above 1 yet: the adapters' slots assume every layer on each rank"),
 ])
 def test_a_bad_value_is_named_by_its_setting(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError) as err:

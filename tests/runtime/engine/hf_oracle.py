@@ -39,6 +39,15 @@ class HFOracle:
             self._cache[key] = tokens, torch.cat(out.logits).float()
         return self._cache[key]
 
+    def assert_greedy_match(self, prompt: list[int], completion, tolerance: float = 1e-4) -> None:
+        """The engine's greedy `completion` (asked for logprobs) has transformers' tokens, and each
+        chosen token's logprob within `tolerance` of transformers'."""
+        expected, logits = self.greedy(prompt)
+        assert completion.token_ids == expected
+        reference = torch.log_softmax(logits, dim=-1)
+        for step, (token, entry) in enumerate(zip(expected, completion.logprobs)):
+            assert abs(entry[token].logprob - reference[step, token].item()) < tolerance
+
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
         with torch.no_grad():
             return self.model(torch.tensor([prompt])).logits[0].float()

@@ -6,7 +6,6 @@ import os
 import signal
 
 import pytest
-import torch
 
 from hf_oracle import NEW_TOKENS, HFOracle, random_prompts
 from kvpilot.runtime import LLM, SamplingParams
@@ -26,12 +25,7 @@ def test_two_ranks_match_transformers(tp_engine):
     prompts = random_prompts([1, 9, 70, 150], llm.config.model.vocab_size, seed=11)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
     for prompt, output in zip(prompts, llm.generate(prompts, params)):
-        expected, logits = oracle.greedy(prompt)
-        completion = output.outputs[0]
-        assert completion.token_ids == expected
-        reference = torch.log_softmax(logits, dim=-1)
-        for step, (token, entry) in enumerate(zip(expected, completion.logprobs)):
-            assert abs(entry[token].logprob - reference[step, token].item()) < 1e-4
+        oracle.assert_greedy_match(prompt, output.outputs[0])
 
 
 def test_seeded_sampling_agrees_across_ranks(tp_engine):

@@ -1,4 +1,5 @@
-"""Tensor parallelism under preemption, run again and again with ranks that hash strings differently.
+"""Tensor (and pipeline) parallelism under preemption, run again and again with ranks that hash
+strings differently.
 
 Every rank keeps its own persistent batch, and the all-reduces are only right if all ranks put
 each request in the same row. A rank whose layout depends on anything but the SchedulerOutputs
@@ -87,7 +88,7 @@ def shared_prefix_workload(tmp_path_factory) -> tuple[str, Workload]:
     return str(model_dir), workload
 
 
-def _generate(model_dir: str, workload: Workload, tensor_parallel_size: int, **engine_args):
+def _generate(model_dir: str, workload: Workload, tensor_parallel_size: int = 1, **engine_args):
     llm = LLM(model_dir, tensor_parallel_size=tensor_parallel_size, **workload.engine_args, **engine_args)
     try:
         outputs = llm.generate(workload.prompts, GREEDY, priority=workload.priorities)
@@ -132,8 +133,25 @@ def test_tensor_parallel_with_async_scheduling_is_exact(preemption_workload, dis
         assert not wrong, f"run {run}: requests {wrong} diverged at TP 2 with async scheduling"
 
 
-def test_ranks_that_disagree_on_the_batch_fail_loudly(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2)
+@pytest.mark.parametrize("layout, stages", [
+    ({"pipeline_parallel_size": 2, "async_scheduling": False}, "PP 2"),
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "async_scheduling": True},
+     "TP 2 x PP 2 with async scheduling"),
+])
+def test_pipeline_parallel_under_preemption_is_exact(preemption_workload, distinct_rank_hash_seeds, layout, stages):
+    """Every stage applies the same SchedulerOutputs, preemptions and recomputes included; the last
+    stage's tokens reach the first stage's batch before the next step (async: scheduled before)."""
+    model_dir, workload = preemption_workload
+    expected = _expected(model_dir, workload)
+    tokens, stats = _generate(model_dir, workload, **layout)
+    assert stats.num_preemptions > 0
+    wrong = [i for i, (got, want) in enumerate(zip(tokens, expected)) if got != want]
+    assert not wrong, f"requests {wrong} diverged at {stages}"
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_ranks_that_disagree_on_the_batch_fail_loudly(tiny_llama_dir, layout):
+    llm = LLM(str(tiny_llama_dir), **layout)
     executor = llm.engine.executor
     try:
         # Slip a request into rank 1's batch alone, as a rank that applied a message differently would.
@@ -145,7 +163,7 @@ def test_ranks_that_disagree_on_the_batch_fail_loudly(tiny_llama_dir):
         executor._pipes[1].send_bytes(b"execute_model")
         executor._pipes[1].send_bytes(msgspec.msgpack.encode(stray))
         assert executor._pipes[1].recv_bytes()
-        with pytest.raises(RuntimeError, match="TP ranks disagree on the batch layout"):
+        with pytest.raises(RuntimeError, match="ranks disagree on the batch layout"):
             llm.generate([[3, 4, 5]], GREEDY)
         assert not any(worker.is_alive() for worker in executor._workers)
     finally:

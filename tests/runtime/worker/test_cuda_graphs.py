@@ -114,8 +114,8 @@ def test_every_decode_batch_pads_to_a_captured_size():
 
 def test_only_the_triton_backend_on_cuda_is_captured():
     cuda = torch.device("cuda")
-    assert can_capture(cuda, "triton", enforce_eager=False, tensor_parallel_size=1)
-    assert not can_capture(cuda, "triton", enforce_eager=True, tensor_parallel_size=1)
-    assert not can_capture(cuda, "torch", enforce_eager=False, tensor_parallel_size=1)
-    assert not can_capture(cuda, "triton", enforce_eager=False, tensor_parallel_size=2)
-    assert not can_capture(torch.device("cpu"), "triton", enforce_eager=False, tensor_parallel_size=1)
+    assert can_capture(cuda, "triton", enforce_eager=False, world_size=1)
+    assert not can_capture(cuda, "triton", enforce_eager=True, world_size=1)
+    assert not can_capture(cuda, "torch", enforce_eager=False, world_size=1)
+    assert not can_capture(cuda, "triton", enforce_eager=False, world_size=2)
+    assert not can_capture(torch.device("cpu"), "triton", enforce_eager=False, world_size=1)

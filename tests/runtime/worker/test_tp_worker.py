@@ -10,10 +10,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from kvpilot.runtime.config import ParallelConfig
 from kvpilot.runtime.worker import executor
 
 
-CONFIG = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=1, nnodes=1, node_rank=0, distributed_timeout=30))
+CONFIG = SimpleNamespace(parallel=ParallelConfig(distributed_timeout=30))
 REPLIES = msgspec.msgpack.Decoder(list[executor.WorkerReply])
 
 
