@@ -205,6 +205,9 @@ class Request:
         # Tokens scheduled to be sampled but not yet received (at most one per step in flight):
         # under async scheduling the next step is scheduled before the last one's token is known.
         self.num_output_placeholders = 0
+        # How many of its tokens the runners hold: under pipeline parallelism they learn a sampled
+        # token only when the scheduler sends it with the request's next step.
+        self.num_tokens_at_runners = 0
         # Prompt tokens served from the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

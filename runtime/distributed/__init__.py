@@ -89,8 +89,3 @@ def receive_from_previous_stage(x: torch.Tensor) -> torch.Tensor:
     dist.recv(x, dist.get_rank() - _tp_size)
     return x
 
-
-def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
-    """The last stage's first rank's `x`, on every rank of every stage."""
-    dist.broadcast(x, src=dist.get_world_size() - _tp_size)
-    return x

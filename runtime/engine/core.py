@@ -10,6 +10,11 @@ step N's tokens are applied once it returns. A request that finished in step N s
 step N+1; that token is not its own and is dropped. Torch releases the GIL in its kernels, so
 the scheduling overlaps the model even on a CPU.
 
+With pipeline parallelism the core keeps a step in flight for each stage, whatever
+--async-scheduling says: it submits steps to the executor until as many are in flight as there are
+stages or nothing else can run (the scheduler holds a request back while its token is in flight),
+then applies the oldest.
+
 With KV-cache events on (--kv-events-config), what a step stored in and evicted from the prefix
 cache is queued for the publisher's thread at the end of the step, and what an abort or a reset
 changed at the end of that call (engine/kv_event_publisher.py).
@@ -67,7 +72,8 @@ class EngineCore:
         )
         lora = config.lora
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
-                                   LoRASlots(lora.max_loras) if lora.enable_lora else None)
+                                   LoRASlots(lora.max_loras) if lora.enable_lora else None,
+                                   pipeline_depth=config.parallel.pipeline_parallel_size)
         # The adapters the workers hold in host memory: the same calls as theirs, in the same order
         # (host_cache.py), so this is what they hold, without the weights.
         self.loaded_loras: AdapterLRU[None] | None = \
@@ -90,10 +96,12 @@ class EngineCore:
         self._grammar_requests: dict[str, Request] = {}
         # Queue times measured at first scheduling, waiting to ride on the request's next output.
         self._queue_times: dict[str, float] = {}
+        self._pipeline_depth = config.parallel.pipeline_parallel_size
         self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-model")
-                              if config.scheduler.async_scheduling else None)
-        # Steps submitted to the model thread, oldest first, with the outputs they will return.
-        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+                              if config.scheduler.async_scheduling and self._pipeline_depth == 1 else None)
+        # Steps submitted, oldest first, with the outputs they will return: a Future of the model
+        # thread's, or None where the executor holds it (pipeline parallelism).
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput] | None]] = deque()
         # Last, so that a port in use fails the start only after everything else could start.
         self.kv_event_publisher = (
             KVEventPublisher(kv_events, config.cache.block_size, self.kv_cache_manager.cached_block_hashes)
@@ -153,7 +161,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        outputs = self._step_async() if self._model_thread is not None else self._step_sync()
+        if self._pipeline_depth > 1:
+            outputs = self._step_pipelined()
+        else:
+            outputs = self._step_async() if self._model_thread is not None else self._step_sync()
         self._publish_kv_events()
         return outputs
 
@@ -189,6 +200,24 @@ class EngineCore:
             return failed
         scheduler_output, future = self._in_flight.popleft()
         return failed + self._update(scheduler_output, future.result())
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Submit the next step unless every stage has one, then apply the oldest once the pipeline
+        is full or nothing else can run."""
+        failed = self._check_compiled()
+        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._pipeline_depth:
+            scheduler_output = self._schedule(allow_idle=bool(self._in_flight or self._compiling or failed))
+            if scheduler_output is not None:
+                self.executor.submit_model(scheduler_output)
+                self._in_flight.append((scheduler_output, None))
+                if len(self._in_flight) < self._pipeline_depth:
+                    return failed
+            elif not self._in_flight:
+                self._wait_for_grammars()
+        if not self._in_flight:
+            return failed
+        scheduler_output, _ = self._in_flight.popleft()
+        return failed + self._update(scheduler_output, self.executor.collect_model())
 
     def _schedule(self, allow_idle: bool = False) -> SchedulerOutput | None:
         scheduler_output = self.scheduler.schedule()
@@ -309,7 +338,7 @@ class EngineCore:
         if self._model_thread is not None:
             # The model thread may be inside the executor: let it finish before the executor goes.
             self._model_thread.shutdown(wait=True, cancel_futures=True)
-            self._in_flight.clear()
+        self._in_flight.clear()
         self.structured_output.shutdown()
         self.executor.shutdown()
         if self.kv_event_publisher is not None:

@@ -5,12 +5,14 @@ Workers are symmetric, as in vLLM V1: every rank gets the same SchedulerOutput a
 same persistent batch. A TP rank runs its shard of its stage's layers (the layers all-reduce and
 all-gather between them); a pipeline stage receives the residual stream from the stage before,
 runs its layers and hands the stream on. The last stage's TP ranks sample the same tokens from
-the same full logits with the same generators and hand them to every rank; the first of them
-gives the step's result. One batch is in the pipeline at a time, so each stage idles while the
-others run (the bubble BENCHMARKS.md measures). Each rank also reports a fingerprint of its
-persistent batch after every step: ranks whose batches differ would mix one request's partial
-sums or stream into another's, so the executor fails the engine the moment they disagree rather
-than return wrong tokens.
+the same full logits with the same generators; the first of them gives the step's result, and
+the scheduler sends the tokens to every rank with the next step. Under pipeline parallelism the
+EngineCore submits a step while earlier ones are still in the later stages (`submit_model`, then
+`collect_model` in order): each rank serves its calls in order, so the first stage starts step
+N+1 while the second runs step N. Each rank also reports a fingerprint of its persistent batch
+after every step: ranks whose batches differ would mix one request's partial sums or stream into
+another's, so the executor fails the engine the moment they disagree rather than return wrong
+tokens.
 
 Calls travel over one pipe per worker as msgspec msgpack bytes; nothing is pickled after the
 workers start. A worker that dies fails the call at once instead of leaving the others waiting.
@@ -111,6 +113,8 @@ class MultiprocExecutor:
                                                    piped=lambda rank: parallel.nnodes == 1 or rank == 0)
         self._decoder = msgspec.msgpack.Decoder(list[WorkerReply])
         self._collect()  # each worker reports once its shard is loaded (rank 0: every rank's)
+        # Calls sent whose replies are not read yet: steps in the pipeline's later stages.
+        self._unanswered = 0
 
     def kv_cache_bytes_per_block(self) -> int:
         # Pipeline stages may hold a layer more than others: the fullest stage's block decides.
@@ -124,7 +128,16 @@ class MultiprocExecutor:
         self._call("initialize_kv_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        replies = self._call("execute_model", scheduler_output)
+        self.submit_model(scheduler_output)
+        return self.collect_model()
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Sends the step to the ranks without waiting for it."""
+        self._send("execute_model", scheduler_output)
+
+    def collect_model(self) -> ModelRunnerOutput:
+        """The result of the oldest step submitted and not collected."""
+        replies = self._answers()
         layouts = [reply.layout for reply in replies]
         if len(set(layouts)) > 1:
             self._fail(RuntimeError(f"ranks disagree on the batch layout (fingerprint per rank: {layouts})"))
@@ -137,6 +150,14 @@ class MultiprocExecutor:
         self._call("remove_lora", lora_int_id)
 
     def _call(self, method: str, argument=None) -> list[WorkerReply]:
+        self._send(method, argument)
+        return self._answers()
+
+    def _answers(self) -> list[WorkerReply]:
+        self._unanswered -= 1
+        return self._collect()
+
+    def _send(self, method: str, argument) -> None:
         if not self._workers:
             raise WorkerDiedError("the TP workers are stopped")
         payload = msgspec.msgpack.encode(argument)
@@ -146,10 +167,10 @@ class MultiprocExecutor:
                 pipe.send_bytes(payload)
             except OSError as exc:  # the worker's end is gone
                 self._fail(RuntimeError(f"cannot reach a TP worker: {exc}"))
-        return self._collect()
+        self._unanswered += 1
 
     def _collect(self) -> list[WorkerReply]:
-        """Every rank's reply, in rank order. The first error or death fails the call and stops every
+        """Every rank's reply to the oldest call unanswered, in rank order. The first error or death fails the call and stops every
         worker: the other ranks may be blocked in a collective with the missing one."""
         replies: dict[int, list[WorkerReply]] = {}
         pending = dict(enumerate(self._pipes))  # the pipe of worker i is the i-th
@@ -183,6 +204,7 @@ class MultiprocExecutor:
             if worker.sentinel in exiting:
                 worker.join()
         dead = [(rank, w.exitcode) for rank, w in enumerate(self._workers) if w.exitcode not in (None, 0)]
+        self._unanswered = 0  # the steps in flight fail with this one
         self.shutdown()
         if dead:
             rank, exit_code = dead[0]
@@ -190,6 +212,14 @@ class MultiprocExecutor:
         raise error
 
     def shutdown(self) -> None:
+        # Steps still in the pipeline are let through: a rank would fail writing its reply to a
+        # closed pipe, as if the engine had died under it.
+        unanswered, self._unanswered = self._unanswered, 0
+        try:
+            for _ in range(unanswered if self._workers else 0):
+                self._collect()
+        except RuntimeError as exc:  # _fail has stopped the workers already
+            logger.warning("a step still in flight at shutdown failed: %s", exc)
         for pipe in self._pipes:
             pipe.close()  # a worker sees EOF and exits
         for worker in self._workers:

@@ -118,6 +118,12 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def extend_tokens(self, row: int, token_ids: list[int]) -> None:
+        """`token_ids` at the end of `row`."""
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        self.num_tokens[row] += len(token_ids)
+
     def condense(self) -> None:
         """Fill the holes left by removed rows with the rows at the tail."""
         while self._holes:

@@ -125,37 +125,32 @@ class ModelRunner:
         sample_idx = np.flatnonzero(step.seq_lens == self.batch.num_tokens[step.rows])
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(step.req_ids)
-        if len(sample_idx):
+        # Before the last pipeline stage there is nothing to sample from.
+        if len(sample_idx) and hidden is not None:
             self._sample(step, hidden, sample_idx, scheduler_output.grammar_bitmask, sampled, logprobs)
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor | None, sample_idx: np.ndarray,
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray,
                 grammar: GrammarBitmask | None, sampled: list, logprobs: list) -> None:
         """Samples the requests at `sample_idx` (of the step), filling their entries of `sampled`
-        and `logprobs`, and appends their tokens to the batch. Under pipeline parallelism the last
-        stage samples and hands the tokens to every rank, whose next step feeds them to the model."""
+        and `logprobs`, and appends their tokens to the batch; under pipeline parallelism the
+        tokens reach every stage's batch with the requests' next step instead."""
         sample_ids = step.req_ids if len(sample_idx) == step.num_tokens else [step.req_ids[i] for i in sample_idx]
         sample_rows = step.rows[sample_idx]
-        if hidden is None:
-            token_ids = torch.empty(len(sample_idx), dtype=torch.int64, device=self.device)
-            output = None
-        else:
-            output = self._sampler_output(step, hidden, sample_idx, grammar, sample_ids, sample_rows)
-            token_ids = output.sampled_token_ids
-        if self.pipelined:
-            token_ids = distributed.broadcast_from_last_stage(token_ids)
-        self.logits_state.record_sampled(sample_ids, token_ids)
-        tokens = token_ids.tolist()
-        self.batch.append_tokens(sample_rows, tokens)
+        output = self._sampler_output(step, hidden, sample_idx, grammar, sample_ids, sample_rows)
+        self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
+        tokens = output.sampled_token_ids.tolist()
+        if not self.pipelined:
+            self.batch.append_tokens(sample_rows, tokens)
         if len(sample_idx) == step.num_tokens:
             sampled[:] = [[token] for token in tokens]
         else:
             for j, i in enumerate(sample_idx.tolist()):
                 sampled[i].append(tokens[j])
-        if output is not None and output.logprobs is not None:
+        if output.logprobs is not None:
             for j, i in enumerate(sample_idx):
                 num = self.batch.num_logprobs.get(step.req_ids[i])
                 if num is not None:
@@ -213,6 +208,8 @@ class ModelRunner:
         for cached in scheduler_output.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
+            if cached.new_token_ids:
+                self.batch.extend_tokens(row, cached.new_token_ids)
         if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids or scheduler_output.scheduled_new_reqs:
             # A request id may come back with other parameters (finished, then reused).
             self._sampled_req_ids = None

@@ -26,14 +26,18 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request that already has a row and gained blocks this step.
+    """A request that already has a row and gained blocks (or, under pipeline parallelism, tokens)
+    this step.
 
-    A running request without new blocks ships only its count in `num_scheduled_tokens`: the
-    runner advances each row's computed tokens by the counts it runs.
+    A running request without either ships only its count in `num_scheduled_tokens`: the runner
+    advances each row's computed tokens by the counts it runs.
     """
 
     req_id: str
     new_block_ids: list[int]
+    # Under pipeline parallelism only the last stage samples, so the tokens reach every rank here,
+    # with the request's next step: those sampled since it was last scheduled.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

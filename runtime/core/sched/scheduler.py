@@ -21,6 +21,11 @@ stop token ids, then max_tokens; and a complete grammar); `finish_requests()` en
 outside (aborts, stop strings). Each finished id reaches the runner in the next SchedulerOutput.
 Under async scheduling a step is scheduled before the previous one's tokens are known: a request
 whose step will sample counts a placeholder for that token until it arrives.
+
+Under pipeline parallelism up to `pipeline_depth` steps are in flight, one in each stage. A request
+waits while its token is in flight (no stage but the last has it), and each step takes at most
+1/pipeline_depth of the running requests, so that the next step has others to run while this one
+moves through the later stages. The tokens reach the runners with each request's next step.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ from kvpilot.runtime.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 lora_slots: LoRASlots | None = None) -> None:
-        """`lora_slots`: the device's adapter slots, when the engine serves LoRA adapters."""
+                 lora_slots: LoRASlots | None = None, pipeline_depth: int = 1) -> None:
+        """`lora_slots`: the device's adapter slots, when the engine serves LoRA adapters;
+        `pipeline_depth`: the pipeline stages, so the steps in flight at once."""
         self.config = config
+        self.pipeline_depth = pipeline_depth
         self.kv_cache_manager = kv_cache_manager
         self.lora_slots = lora_slots
         self._policy = SchedulingPolicy.parse(config.policy)
@@ -119,6 +126,8 @@ class Scheduler:
         without_allocation = self.kv_cache_manager.num_tokens_without_allocation
         threshold = self.config.long_prefill_token_threshold
         running_status = RequestStatus.RUNNING
+        pipelined = self.pipeline_depth > 1
+        running_share = -(-len(self.running) // self.pipeline_depth)
 
         # Runs for every running request every step: _chunk and the fast path of allocate_slots
         # are inlined.
@@ -131,9 +140,11 @@ class Scheduler:
             # Under async scheduling the tokens in flight may already be all it may produce; and a
             # grammar's next mask needs the token in flight, so its request waits for it.
             placeholders = request.num_output_placeholders
-            if placeholders and (request.structured_output_request is not None
+            if placeholders and (pipelined or request.structured_output_request is not None
                                  or len(request.output_token_ids) + placeholders >= request.max_tokens):
                 continue
+            if pipelined and len(num_scheduled) == running_share:
+                break
             req_id = request.request_id
             num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if 0 < threshold < num_new:
@@ -159,6 +170,8 @@ class Scheduler:
             if blocks:
                 cached_reqs[req_id] = CachedRequestData(req_id, [b.block_id for b in blocks])
             budget -= num_new
+        if pipelined:
+            self._ship_new_tokens(num_scheduled, cached_reqs)
 
         new_reqs = [] if preempted else self._admit_waiting(budget, num_scheduled)
         output = SchedulerOutput(
@@ -182,6 +195,17 @@ class Scheduler:
                 request.num_output_placeholders += 1
         return output
 
+    def _ship_new_tokens(self, num_scheduled: dict[str, int], cached_reqs: dict[str, CachedRequestData]) -> None:
+        """Each scheduled running request's tokens that the runners do not hold: those sampled since
+        they last heard of it."""
+        for req_id in num_scheduled:
+            request = self.requests[req_id]
+            all_token_ids = request.all_token_ids
+            if request.num_tokens_at_runners < len(all_token_ids):
+                cached = cached_reqs.setdefault(req_id, CachedRequestData(req_id, []))
+                cached.new_token_ids = all_token_ids[request.num_tokens_at_runners:]
+                request.num_tokens_at_runners = len(all_token_ids)
+
     def _chunk(self, request: Request, budget: int, num_hit: int = 0) -> int:
         # A prefix hit is capped at num_tokens - 1, so at least one token is left to compute.
         num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens - num_hit
@@ -193,11 +217,14 @@ class Scheduler:
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
         """Admit from the head of the waiting queue until budget, seats or blocks run out."""
         admitted: list[NewRequestData] = []
-        # Requests whose grammar is still compiling, or whose adapter has no slot: they keep their
-        # place, the rest go ahead.
+        # Requests whose grammar is still compiling, whose adapter has no slot, or (preempted under
+        # pipeline parallelism) whose token is still in flight: they keep their place, the rest go ahead.
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.num_output_placeholders:
+                passed_over.append(self.waiting.pop_request())
+                continue
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 if not request.structured_output_request.is_ready:
                     passed_over.append(self.waiting.pop_request())
@@ -222,6 +249,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            request.num_tokens_at_runners = len(request.all_token_ids)
             admitted.append(NewRequestData(
                 req_id=request.request_id,
                 token_ids=list(request.all_token_ids),

@@ -76,6 +76,8 @@ class FakeRunner:
 
     scripts: dict[str, list[int]] = field(default_factory=dict)
     rows: dict[str, _Row] = field(default_factory=dict)
+    # Under pipeline parallelism a row gains its tokens from the scheduler, with its next step.
+    tokens_shipped: bool = False
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in out.finished_req_ids + out.preempted_req_ids:
@@ -85,10 +87,12 @@ class FakeRunner:
             self.rows[new.req_id] = _Row(
                 list(new.token_ids), new.num_computed_tokens, list(new.block_ids)
             )
-        # Only requests that gained blocks are listed; every other scheduled one needs its row.
+        # Only requests that gained blocks (or tokens) are listed; every other scheduled one needs its row.
         for cached in out.scheduled_cached_reqs:
-            assert cached.req_id in out.num_scheduled_tokens and cached.new_block_ids
+            assert cached.req_id in out.num_scheduled_tokens and (cached.new_block_ids or cached.new_token_ids)
+            assert self.tokens_shipped or not cached.new_token_ids
             self.rows[cached.req_id].block_ids += cached.new_block_ids
+            self.rows[cached.req_id].token_ids += cached.new_token_ids
         assert set(out.num_scheduled_tokens) <= set(self.rows)
 
         req_ids, sampled = [], []
@@ -102,7 +106,8 @@ class FakeRunner:
             if row.num_computed == len(row.token_ids):
                 script = self.scripts.get(req_id)
                 tokens = [script.pop(0) if script else DEFAULT_TOKEN]
-                row.token_ids += tokens
+                if not self.tokens_shipped:
+                    row.token_ids += tokens
             req_ids.append(req_id)
             sampled.append(tokens)
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
@@ -111,12 +116,14 @@ class FakeRunner:
 class Harness:
     """The engine core's loop, checking the step invariants on every step."""
 
+    pipeline_depth = 1
+
     def __init__(self, num_blocks: int = 64, enable_caching: bool = False, **config) -> None:
         self.config = SchedulerConfig(**config)
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=enable_caching)
         self.full = self.kv.num_free_blocks
-        self.sched = Scheduler(self.config, self.kv)
-        self.runner = FakeRunner()
+        self.sched = Scheduler(self.config, self.kv, pipeline_depth=self.pipeline_depth)
+        self.runner = FakeRunner(tokens_shipped=self.pipeline_depth > 1)
         self.outputs: dict[str, list[EngineCoreOutput]] = {}
         self.finished_ids: Counter[str] = Counter()
         self.steps: list[SchedulerOutput] = []
@@ -180,6 +187,8 @@ class AsyncHarness(Harness):
     (steps run in order), so the scheduler never sees a step's tokens before it schedules the next.
     """
 
+    in_flight_limit = 2
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
@@ -194,7 +203,7 @@ class AsyncHarness(Harness):
         idle = out.is_empty and not (out.finished_req_ids or out.preempted_req_ids)
         if not (idle and self.in_flight):
             self.in_flight.append((out, self._run(out)))
-        if len(self.in_flight) == 2 or (idle and self.in_flight):
+        if len(self.in_flight) == self.in_flight_limit or (idle and self.in_flight):
             self._apply(*self.in_flight.pop(0))
         self.steps.append(out)
         return out
@@ -208,7 +217,15 @@ class AsyncHarness(Harness):
         raise AssertionError(f"not finished after {max_steps} steps: {self.sched.requests}")
 
 
-HARNESSES = pytest.mark.parametrize("harness", [Harness, AsyncHarness], ids=["sync", "async"])
+class PipelinedHarness(AsyncHarness):
+    """The core's loop under pipeline parallelism over three stages: up to three steps in flight,
+    and the runner's rows gain their tokens from the SchedulerOutputs alone."""
+
+    pipeline_depth = in_flight_limit = 3
+
+
+HARNESSES = pytest.mark.parametrize("harness", [Harness, AsyncHarness, PipelinedHarness],
+                                    ids=["sync", "async", "pipelined"])
 
 
 # --- the waiting queues -------------------------------------------------------------------------
@@ -474,8 +491,26 @@ def test_every_request_finishes_once_under_memory_pressure(policy, harness):
     assert h.sched.num_running == h.sched.num_waiting == 0
     assert h.kv.num_free_blocks == h.full and h.kv.usage == 0.0
     assert all(r.num_output_placeholders == 0 for r in requests)
-    if harness is AsyncHarness:
+    if issubclass(harness, AsyncHarness):
         assert h.preempted_in_flight > 0
+
+
+def test_pipelined_steps_each_take_a_share_of_the_running_requests_and_ship_their_tokens():
+    h = PipelinedHarness(max_num_seqs=8)
+    h.add(*(make_request(f"r{i}", 2, max_tokens=30) for i in range(6)))
+    for _ in range(24):
+        h.step()
+    decodes = [out for out in h.steps if out.num_scheduled_tokens][1:]  # after the prefill of all six
+    # Three stages, six running: two requests a step, so that each stage has a step to run.
+    assert all(len(out.num_scheduled_tokens) == 2 for out in decodes)
+    # A request waits while its token is in flight: never in two of the steps in the pipeline.
+    for window in zip(decodes, decodes[1:], decodes[2:]):
+        scheduled = [req_id for out in window for req_id in out.num_scheduled_tokens]
+        assert len(scheduled) == len(set(scheduled))
+    # Each decode ships the one token sampled since its request's last step, to every stage.
+    for out in decodes:
+        assert {c.req_id: c.new_token_ids for c in out.scheduled_cached_reqs} == \
+            {req_id: [DEFAULT_TOKEN] for req_id in out.num_scheduled_tokens}
 
 
 # --- set_policy ---------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ a second process on this one, or in a network namespace of its own."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from hf_oracle import NEW_TOKENS, HFOracle, random_prompts
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.benchmarks import netns
 from kvpilot.runtime.config import ParallelConfig
 from kvpilot.runtime.worker import hosts
 
@@ -92,36 +92,18 @@ def test_a_host_that_never_joins_fails_the_start_within_the_timeout(tiny_llama_d
 
 @pytest.fixture
 def second_host():
-    """A network namespace joined to this one by a veth pair: another host, with its own address,
-    as far as the ranks can tell. Yields (this host's address, its interface, the namespace,
-    the namespace's interface)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = os.getpid() % 10000
-    namespace, ours, theirs = f"kvp-host{tag}", f"kvp{tag}a", f"kvp{tag}b"
-    octet = tag % 250
-    commands = [
-        ["ip", "netns", "add", namespace],
-        ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs],
-        ["ip", "link", "set", theirs, "netns", namespace],
-        ["ip", "addr", "add", f"10.213.{octet}.1/30", "dev", ours],
-        ["ip", "link", "set", ours, "up"],
-        ["ip", "netns", "exec", namespace, "ip", "addr", "add", f"10.213.{octet}.2/30", "dev", theirs],
-        ["ip", "netns", "exec", namespace, "ip", "link", "set", theirs, "up"],
-    ]
-    try:
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True)
-        yield f"10.213.{octet}.1", ours, namespace, theirs
-    finally:
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-        subprocess.run(["ip", "link", "del", ours], capture_output=True)
+    """Another host, with its own address, as far as the ranks can tell."""
+    if (reason := netns.unavailable()) is not None:
+        pytest.skip(reason)
+    with netns.two_hosts() as hosts:
+        yield hosts
 
 
 @pytest.mark.parametrize("tensor, pipeline", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_two_hosts_on_their_own_addresses(tiny_llama_dir: Path, second_host, monkeypatch, tensor: int,
                                           pipeline: int) -> None:
-    address, ours, namespace, theirs = second_host
+    address, ours, namespace, theirs = second_host.address, second_host.interface, second_host.namespace, \
+        second_host.their_interface
     port = free_port()
     # Gloo listens on the address the host name resolves to, unless told which interface: in a
     # pod that is the pod's own address; here each side names its end of the veth pair.

@@ -72,3 +72,31 @@ def test_a_dead_stage_fails_the_engine_fast(three_layers):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     # The last stage may be blocked receiving from the dead one: it is stopped too.
     assert not any(worker.is_alive() for worker in workers)
+
+
+def test_the_core_keeps_a_step_in_each_stage(three_layers):
+    """The core submits the next step while the last one is in the second stage, so that both run
+    at once; and the tokens, handed to every stage with each request's next step, are right."""
+    llm = LLM(three_layers, pipeline_parallel_size=2)
+    executor = llm.engine.executor
+    submit, collect = executor.submit_model, executor.collect_model
+    in_flight = [0]  # after each submit and collect
+
+    def submitting(scheduler_output):
+        submit(scheduler_output)
+        in_flight.append(in_flight[-1] + 1)
+
+    def collecting():
+        in_flight.append(in_flight[-1] - 1)
+        return collect()
+
+    executor.submit_model, executor.collect_model = submitting, collecting
+    prompts = random_prompts([5] * 8, llm.config.model.vocab_size, seed=2)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.shutdown()
+    assert max(in_flight) == 2
+    single = LLM(three_layers).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in single]
