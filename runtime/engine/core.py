@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import torch
@@ -99,9 +99,8 @@ class EngineCore:
         self._pipeline_depth = config.parallel.pipeline_parallel_size
         self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-model")
                               if config.scheduler.async_scheduling and self._pipeline_depth == 1 else None)
-        # Steps submitted, oldest first, with the outputs they will return: a Future of the model
-        # thread's, or None where the executor holds it (pipeline parallelism).
-        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput] | None]] = deque()
+        # Steps submitted, oldest first, each with what waits for its output.
+        self._in_flight: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = deque()
         # Last, so that a port in use fails the start only after everything else could start.
         self.kv_event_publisher = (
             KVEventPublisher(kv_events, config.cache.block_size, self.kv_cache_manager.cached_block_hashes)
@@ -162,9 +161,11 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         if self._pipeline_depth > 1:
-            outputs = self._step_pipelined()
+            outputs = self._step_in_flight(self._pipeline_depth, self._into_pipeline)
+        elif self._model_thread is not None:
+            outputs = self._step_in_flight(2, self._on_model_thread)
         else:
-            outputs = self._step_async() if self._model_thread is not None else self._step_sync()
+            outputs = self._step_sync()
         self._publish_kv_events()
         return outputs
 
@@ -182,42 +183,33 @@ class EngineCore:
             return failed
         return failed + self._update(scheduler_output, self.executor.execute_model(scheduler_output))
 
-    def _step_async(self) -> list[EngineCoreOutput]:
-        """Submit the next step, then apply the oldest one in flight once it is done."""
+    def _step_in_flight(self, depth: int, submit: Callable[[SchedulerOutput], Callable[[], ModelRunnerOutput]]
+                        ) -> list[EngineCoreOutput]:
+        """Submit the next step unless `depth` are in flight, then apply the oldest once that many
+        are or nothing else can run. `submit` starts a step and returns what waits for its output."""
         failed = self._check_compiled()
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < depth:
             # Nothing to run can be right while a step is in flight: its tokens decide what comes next.
             # So can grammars still compiling.
             scheduler_output = self._schedule(allow_idle=bool(self._in_flight or self._compiling or failed))
             if scheduler_output is not None:
-                future = self._model_thread.submit(self.executor.execute_model, scheduler_output)
-                self._in_flight.append((scheduler_output, future))
-                if len(self._in_flight) < 2:
+                self._in_flight.append((scheduler_output, submit(scheduler_output)))
+                if len(self._in_flight) < depth:
                     return failed
             elif not self._in_flight:
                 self._wait_for_grammars()
         if not self._in_flight:
             return failed
-        scheduler_output, future = self._in_flight.popleft()
-        return failed + self._update(scheduler_output, future.result())
+        scheduler_output, output = self._in_flight.popleft()
+        return failed + self._update(scheduler_output, output())
 
-    def _step_pipelined(self) -> list[EngineCoreOutput]:
-        """Submit the next step unless every stage has one, then apply the oldest once the pipeline
-        is full or nothing else can run."""
-        failed = self._check_compiled()
-        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._pipeline_depth:
-            scheduler_output = self._schedule(allow_idle=bool(self._in_flight or self._compiling or failed))
-            if scheduler_output is not None:
-                self.executor.submit_model(scheduler_output)
-                self._in_flight.append((scheduler_output, None))
-                if len(self._in_flight) < self._pipeline_depth:
-                    return failed
-            elif not self._in_flight:
-                self._wait_for_grammars()
-        if not self._in_flight:
-            return failed
-        scheduler_output, _ = self._in_flight.popleft()
-        return failed + self._update(scheduler_output, self.executor.collect_model())
+    def _on_model_thread(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        return self._model_thread.submit(self.executor.execute_model, scheduler_output).result
+
+    def _into_pipeline(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        # The executor answers in the order the steps went in, as the core applies them.
+        self.executor.submit_model(scheduler_output)
+        return self.executor.collect_model
 
     def _schedule(self, allow_idle: bool = False) -> SchedulerOutput | None:
         scheduler_output = self.scheduler.schedule()
