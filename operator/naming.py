@@ -35,6 +35,13 @@ def selector_labels(engine_name: str) -> dict[str, str]:
     }
 
 
+def worker_labels(engine_name: str) -> dict[str, str]:
+    """The labels of the worker pods of an engine that spans several pods: not the engine pods'
+    component, so that every selector of engine pods (Services, the control loop's) finds the
+    group leaders alone, which serve the API."""
+    return {**labels(engine_name), COMPONENT_LABEL: "engine-worker"}
+
+
 def router_selector_labels(engine_name: str) -> dict[str, str]:
     """The labels that pick one engine's router pods."""
     return {**selector_labels(engine_name), COMPONENT_LABEL: "router"}
@@ -83,6 +90,12 @@ def scheduling_config_map_name(engine_name: str) -> str:
 
 def cache_salt_secret_name(engine_name: str) -> str:
     return f"{engine_name}-cache-salt"
+
+
+def leader_worker_set_name(engine_name: str) -> str:
+    """Not the engine's own name: LeaderWorkerSet makes a headless Service named after itself, for
+    its pods' addresses, and the engine's Service has that name."""
+    return f"{engine_name}-lws"
 
 
 def router_name(engine_name: str) -> str:

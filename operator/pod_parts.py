@@ -51,6 +51,14 @@ def owned(engine: Mapping[str, Any], api_version: str, kind: str, name: str, *,
     return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields}
 
 
+def stamped(engine: Mapping[str, Any], workload: Manifest) -> Manifest:
+    """The workload with the engine generation it was rendered from, on its own metadata (never
+    its pod templates, which would roll the pods): so status can tell a finished rollout of the
+    current spec from one of an older spec."""
+    workload["metadata"]["annotations"] = {naming.GENERATION_ANNOTATION: str(engine["metadata"]["generation"])}
+    return workload
+
+
 @dataclass(frozen=True)
 class ModelSource:
     volumes: list[Manifest] = field(default_factory=list)
