@@ -55,6 +55,8 @@ CHILDREN = {
     "AdminToken": "v1/secrets",
     "SchedulingConfig": "v1/configmaps",
 }
+# What runs an engine over several pods in place of the Deployment, where the cluster serves it.
+LEADER_WORKER_SETS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 # The kinds only routing adds (its Deployment, Service, PDB and Secret are of the kinds above).
 ROUTER_KINDS = {
     "ServiceAccount": "v1/serviceaccounts",
@@ -236,10 +238,12 @@ def _pod_status(ready: bool) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def cluster(tmp_path: Path, *, service_monitors: bool = False) -> AsyncIterator[Cluster]:
+async def cluster(tmp_path: Path, *, service_monitors: bool = False,
+                  leader_worker_sets: bool = False) -> AsyncIterator[Cluster]:
     """An emulated API server on its own thread and event loop: kopf, when it stops, waits for
-    every task started in its loop since it began, and the server's watch streams never end."""
-    server = _ServerThread(service_monitors=service_monitors)
+    every task started in its loop since it began, and the server's watch streams never end.
+    `service_monitors`, `leader_worker_sets`: whether it serves those kinds (their CRDs installed)."""
+    server = _ServerThread(service_monitors=service_monitors, leader_worker_sets=leader_worker_sets)
     server.start()
     await asyncio.to_thread(server.started.wait, WAIT_TIMEOUT)
     assert server.url, "the emulated API server did not start"
@@ -272,9 +276,10 @@ def write_kubeconfig(path: Path, url: str, token: str | None = None) -> Path:
 
 
 class _ServerThread(threading.Thread):
-    def __init__(self, *, service_monitors: bool) -> None:
+    def __init__(self, *, service_monitors: bool, leader_worker_sets: bool) -> None:
         super().__init__(name="emulated-apiserver", daemon=True)
         self.service_monitors = service_monitors
+        self.leader_worker_sets = leader_worker_sets
         self.started = threading.Event()
         self.url = ""
         self.api = EmulatedApiServer()
@@ -292,7 +297,8 @@ class _ServerThread(threading.Thread):
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         async with self.api, kmock.Server(self.api) as http:
-            _declare_resources(self.api, service_monitors=self.service_monitors)
+            _declare_resources(self.api, service_monitors=self.service_monitors,
+                               leader_worker_sets=self.leader_worker_sets)
             self.url = str(http.url)
             self.started.set()
             await self._stopping.wait()
@@ -359,8 +365,9 @@ async def operator(**memo: Any) -> AsyncIterator[None]:
         await asyncio.wait_for(task, WAIT_TIMEOUT)
 
 
-def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> None:
-    """The discovery documents of a cluster: built-in kinds, the CRD, and maybe ServiceMonitors."""
+def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool, leader_worker_sets: bool) -> None:
+    """The discovery documents of a cluster: built-in kinds, the CRD, and maybe ServiceMonitors
+    and LeaderWorkerSets."""
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
     declared = {
         ENGINES: ("InferenceEngine", {"status", "scale"}),
@@ -376,6 +383,8 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
     }
     if service_monitors:
         declared[CHILDREN["ServiceMonitor"]] = ("ServiceMonitor", set())
+    if leader_worker_sets:
+        declared[LEADER_WORKER_SETS] = ("LeaderWorkerSet", {"status", "scale"})
     for resource, (kind, subresources) in declared.items():
         server.resources[resource] = kmock.ResourceInfo(
             kind=kind, namespaced=True, verbs=verbs, subresources=subresources
