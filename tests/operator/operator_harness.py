@@ -168,9 +168,12 @@ class Cluster:
             [{"op": "replace", "path": "/spec", "value": engine["spec"]}], "application/json-patch+json",
         )
 
-    async def create_pod(self, name: str, engine: str, *, ready: bool, router: bool = False) -> None:
-        """A pod of the engine's Deployment (or its routers'), as its ReplicaSet and the kubelet would make it."""
-        labels = naming.router_selector_labels(engine) if router else naming.selector_labels(engine)
+    async def create_pod(self, name: str, engine: str, *, ready: bool, router: bool = False,
+                         worker: bool = False) -> None:
+        """A pod of the engine's Deployment (or its routers', or a worker of its LeaderWorkerSet's
+        groups), as its controller and the kubelet would make it."""
+        labels = (naming.router_selector_labels(engine) if router else naming.worker_labels(engine) if worker
+                  else naming.selector_labels(engine))
         await self._send("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
@@ -222,6 +225,30 @@ class Cluster:
                      "reason": "NewReplicaSetAvailable" if complete else "ReplicaSetUpdated"},
                 ],
             }},
+            "application/merge-patch+json",
+        )
+
+    def leader_worker_set(self, engine: str) -> dict[str, Any] | None:
+        return self.object(LEADER_WORKER_SETS, naming.leader_worker_set_name(engine))
+
+    async def report_groups(self, engine: str, *, ready: int | None = None) -> None:
+        """Report the engine's LeaderWorkerSet as its controller would: it has observed the current
+        generation, every group runs the current templates, `ready` of them (all by default) are ready."""
+        lws = self.leader_worker_set(engine)
+        assert lws is not None
+        wanted = lws["spec"]["replicas"]
+        ready = wanted if ready is None else ready
+        await self._send(
+            "PATCH", f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets/"
+                     f"{lws['metadata']['name']}/status",
+            {"status": {"observedGeneration": lws["metadata"]["generation"], "replicas": wanted,
+                        "updatedReplicas": wanted, "readyReplicas": ready,
+                        "hpaPodSelector": f"leaderworkerset.sigs.k8s.io/name={lws['metadata']['name']},"
+                                          "leaderworkerset.sigs.k8s.io/worker-index=0",
+                        "conditions": [{"type": "Available" if ready == wanted else "Progressing",
+                                        "status": "True", "reason": "AllGroupsReady" if ready == wanted
+                                        else "GroupsProgressing", "message": "", "lastTransitionTime":
+                                        "2026-01-01T00:00:00Z"}]}},
             "application/merge-patch+json",
         )
 
