@@ -40,8 +40,8 @@ _ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
 # it is not, kopf says so once in its log and watches the rest (scanning is off, so a CRD
 # installed later is followed from the next start; each pass still applies its ServiceMonitor).
 _SERVICE_MONITORS = ("monitoring.coreos.com", "v1", "servicemonitors")
-_CHILD_RESOURCES = (_DEPLOYMENTS, _LEADER_WORKER_SETS, _SERVICES, _CONFIG_MAPS, _PDBS, _SERVICE_ACCOUNTS, _ROLES, _ROLE_BINDINGS,
-                    _SERVICE_MONITORS)
+_CHILD_RESOURCES = (_DEPLOYMENTS, _LEADER_WORKER_SETS, _SERVICES, _CONFIG_MAPS, _PDBS, _SERVICE_ACCOUNTS, _ROLES,
+                    _ROLE_BINDINGS, _SERVICE_MONITORS)
 LIST_CHUNK_SIZE = 500
 
 # Retry delays after a failed API call: 1 s, doubling, at most 5 minutes.

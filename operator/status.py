@@ -199,18 +199,26 @@ def rendered_generation(deployment: Mapping[str, Any]) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
-    rollout = deployment.get("status") or {}
+def _behind(workload: Mapping[str, Any], kind: str, generation: int, *,
+            why_unreported: str = "") -> _Verdict | None:
+    """Why the workload does not show the current spec yet; None once its controller caught up."""
+    rollout = workload.get("status") or {}
     if "observedGeneration" not in rollout:
-        return _Verdict("Pending", "DeploymentPending",
-                        "the Deployment controller has not acted on the Deployment yet")
-    if rendered_generation(deployment) != generation:
-        return _Verdict("Progressing", "Reconciling",
-                        f"generation {generation} is not applied to the Deployment yet")
-    if rollout["observedGeneration"] < deployment.get("metadata", {}).get("generation", 0):
+        return _Verdict("Pending", f"{kind}Pending",
+                        f"the {kind} controller has not acted on the {kind} yet{why_unreported}")
+    if rendered_generation(workload) != generation:
+        return _Verdict("Progressing", "Reconciling", f"generation {generation} is not applied to the {kind} yet")
+    if rollout["observedGeneration"] < workload.get("metadata", {}).get("generation", 0):
         return _Verdict("Progressing", "RolloutPending",
-                        "the Deployment controller has not observed the new pod template yet")
+                        f"the {kind} controller has not observed the new pod template yet")
+    return None
 
+
+def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
+    behind = _behind(deployment, "Deployment", generation)
+    if behind is not None:
+        return behind
+    rollout = deployment["status"]
     wanted = deployment.get("spec", {}).get("replicas", 1)
     available = rollout.get("availableReplicas", 0)
     refused = _deployment_condition(deployment, "ReplicaFailure")
@@ -254,17 +262,11 @@ def _rolled_out(current: Mapping[str, Any], generation: int | None) -> bool:
 def _judge_groups(lws: Mapping[str, Any], generation: int, *, rolled_out_before: bool) -> _Verdict:
     """A LeaderWorkerSet's rollout, in groups. LeaderWorkerSet tells no new group still starting
     from a lost one, so status does: once this generation rolled out, a group missing is lost."""
-    rollout = lws.get("status") or {}
-    if "observedGeneration" not in rollout:
-        return _Verdict("Pending", "LeaderWorkerSetPending",
-                        "the LeaderWorkerSet controller has not reported on the LeaderWorkerSet yet (it reports"
-                        f" status.observedGeneration from LeaderWorkerSet {render_lws.OLDEST_VERSION} on)")
-    if rendered_generation(lws) != generation:
-        return _Verdict("Progressing", "Reconciling",
-                        f"generation {generation} is not applied to the LeaderWorkerSet yet")
-    if rollout["observedGeneration"] < lws.get("metadata", {}).get("generation", 0):
-        return _Verdict("Progressing", "RolloutPending",
-                        "the LeaderWorkerSet controller has not observed the new pod templates yet")
+    behind = _behind(lws, render_lws.KIND, generation, why_unreported=(
+        f" (it reports status.observedGeneration from LeaderWorkerSet {render_lws.OLDEST_VERSION} on)"))
+    if behind is not None:
+        return behind
+    rollout = lws["status"]
     wanted = lws.get("spec", {}).get("replicas", 1)
     updated = rollout.get("updatedReplicas", 0)
     total = rollout.get("replicas", 0)
