@@ -9,18 +9,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
-from crd_validation import errors, with_defaults
+import leader_worker_set_schema
+from crd_validation import REPO, errors, with_defaults
 from inference_engines import ADMIN_TOKEN, CACHE_SALT, FULL_SPEC, TENANT_KEYS, engine
 from kvpilot.operator import naming, render, render_lws
 from test_operator_engine_contract import parsed_serve_args
-
-LWS_CRD = yaml.safe_load((Path(__file__).parent / "leaderworkerset-crd.yaml").read_text())
-(LWS_VERSION,) = LWS_CRD["spec"]["versions"]
-LWS_SCHEMA = LWS_VERSION["schema"]["openAPIV3Schema"]
 # What LeaderWorkerSet sets in the pods of group 1 of LeaderWorkerSet llama-lws in namespace ml
 # (a leader address is <set>-<group>.<subdomain>.<namespace>).
 LEADER_ADDRESS = "llama-lws-1.llama-lws.ml"
@@ -79,13 +75,7 @@ def test_the_leader_worker_set_is_valid_against_its_crd_and_its_pods_against_kub
     for obj in (over_pods(), over_pods(4, pipeline=2), engine({"model": {"name": "m", "hostPath": "/models/m"},
                                                                "image": "i", "parallelism": {"nodes": 2,
                                                                                              "pipeline": 2}})):
-        lws = rendered(obj)["LeaderWorkerSet"]
-        defaulted = with_defaults(lws, LWS_SCHEMA)
-        assert errors(defaulted, LWS_SCHEMA) == []
-        for template in templates(obj):
-            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                          "metadata": {"name": "t", "namespace": "ml"}, "template": template},
-                                         "1.30", strict=True)
+        leader_worker_set_schema.validate(rendered(obj)["LeaderWorkerSet"])
 
 
 def test_the_leader_runs_node_0_with_the_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,3 +144,12 @@ def test_one_pod_renders_no_flag_of_several() -> None:
     assert not {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless",
                 "--pipeline-parallel-size"} & set(args)
     assert "--pipeline-parallel-size" in render.serve_args(engine({**FULL_SPEC, "parallelism": {"pipeline": 2}}))
+
+
+def test_the_multinode_example_runs_one_engine_over_two_pods() -> None:
+    example = yaml.safe_load((REPO / "examples" / "engine-multinode.yaml").read_text())
+    example["metadata"].update(namespace="ml", uid="u", generation=1)
+    obj = with_defaults(example)
+    assert errors(obj) == []
+    assert render_lws.spans_pods(obj["spec"])
+    leader_worker_set_schema.validate(rendered(obj)["LeaderWorkerSet"])
