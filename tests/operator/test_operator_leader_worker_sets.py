@@ -77,7 +77,15 @@ def test_the_autoscaler_reads_the_leaders_alone_and_scales_the_groups(tmp_path: 
             # 0.9 / 0.5 on one group: 2 groups.
             await eventually(lambda: lws_replicas(k) == 2, "the LeaderWorkerSet at 2 groups")
             assert k.engine("qwen")["spec"]["replicas"] == 2
-            assert not (k.object("v1/pods", "qwen-lws-0")["metadata"].get("annotations") or {})
+
+            # Idle: back to one group. LeaderWorkerSet removes the highest-indexed group, so no pod
+            # is marked to go first, as a Deployment's would be.
+            await k.create_pod("qwen-lws-1", "qwen", ready=True)
+            fake.set(["qwen-lws-0", "qwen-lws-1"], kv=0.0)
+            await k.update_engine("qwen", lambda spec: spec["autoscaling"].update(scaleDownStabilizationSeconds=0))
+            await eventually(lambda: lws_replicas(k) == 1, "the LeaderWorkerSet back at 1 group")
+            for pod in ("qwen-lws-0", "qwen-lws-1"):
+                assert not (k.object("v1/pods", pod)["metadata"].get("annotations") or {}), pod
 
     run(scenario())
 
