@@ -20,7 +20,8 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 PART_OF_LABEL = "app.kubernetes.io/part-of"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 
-# On the Deployment's own metadata (never its pod template, which would roll the pods):
+# On the workload's own metadata (the Deployment's or LeaderWorkerSet's; never its pod templates,
+# which would roll the pods):
 # the InferenceEngine generation it was rendered from, so that status can tell a finished
 # rollout of the current spec from one of an older spec.
 GENERATION_ANNOTATION = f"{GROUP}/generation"

@@ -52,9 +52,7 @@ def owned(engine: Mapping[str, Any], api_version: str, kind: str, name: str, *,
 
 
 def stamped(engine: Mapping[str, Any], workload: Manifest) -> Manifest:
-    """The workload with the engine generation it was rendered from, on its own metadata (never
-    its pod templates, which would roll the pods): so status can tell a finished rollout of the
-    current spec from one of an older spec."""
+    """The workload (Deployment or LeaderWorkerSet) with naming.GENERATION_ANNOTATION set."""
     workload["metadata"]["annotations"] = {naming.GENERATION_ANNOTATION: str(engine["metadata"]["generation"])}
     return workload
 

@@ -165,8 +165,8 @@ class Reconciler:
             await self._delete(engine, left)
 
     async def child_changed(self, child: Mapping[str, Any]) -> None:
-        """Put back a child that was changed by hand, and follow a Deployment's rollout into its
-        owner's status."""
+        """Put back a child that was changed by hand, and follow a workload's rollout (a Deployment's,
+        a LeaderWorkerSet's) into its owner's status."""
         owner = naming.owner_name(child)
         if owner is None:
             return
