@@ -146,10 +146,14 @@ def test_one_pod_renders_no_flag_of_several() -> None:
     assert "--pipeline-parallel-size" in render.serve_args(engine({**FULL_SPEC, "parallelism": {"pipeline": 2}}))
 
 
-def test_the_multinode_example_runs_one_engine_over_two_pods() -> None:
+def test_the_multinode_example_runs_one_engine_over_two_pods(monkeypatch: pytest.MonkeyPatch) -> None:
     example = yaml.safe_load((REPO / "examples" / "engine-multinode.yaml").read_text())
     example["metadata"].update(namespace="ml", uid="u", generation=1)
     obj = with_defaults(example)
     assert errors(obj) == []
-    assert render_lws.spans_pods(obj["spec"])
     leader_worker_set_schema.validate(rendered(obj)["LeaderWorkerSet"])
+    leader, worker = templates(obj)
+    assert engine_container(leader)["resources"]["limits"][render.GPU_RESOURCE] == 4
+    for template, index in ((leader, 0), (worker, 1)):
+        args = parsed(monkeypatch, template, worker_index=index)
+        assert (args.nnodes, args.node_rank, args.tensor_parallel_size, args.distributed_timeout) == (2, index, 8, 120)
