@@ -62,9 +62,11 @@ def retired_workload(engine: Mapping[str, Any]) -> tuple[str, str, str]:
 
 def missing_message(engine: Mapping[str, Any]) -> str:
     nodes = engine["spec"]["parallelism"]["nodes"]
+    # The operator watches only the kinds served when it starts (kopf's scanning is off), and
+    # status follows a LeaderWorkerSet through that watch: hence the restart.
     return (f"parallelism.nodes {nodes} runs each replica as a LeaderWorkerSet ({API_VERSION}), which this cluster"
-            f" does not serve: install LeaderWorkerSet {OLDEST_VERSION} or later (tested with {TESTED_VERSION})."
-            " Nothing of this spec is applied until then.")
+            f" does not serve: install LeaderWorkerSet {OLDEST_VERSION} or later (tested with {TESTED_VERSION}),"
+            " then restart the operator. Nothing of this spec is applied until then.")
 
 
 def group_args(spec: Mapping[str, Any], node_rank: str) -> list[str]:

@@ -112,7 +112,8 @@ def test_without_leader_worker_set_the_engine_is_degraded_and_nothing_is_applied
             await k.create_engine("qwen", TWO_PODS)
             degraded = await eventually(lambda: condition(k.engine("qwen"), "Degraded"), "Degraded")
             assert (degraded["status"], degraded["reason"]) == ("True", "LeaderWorkerSetMissing")
-            assert "install LeaderWorkerSet v0.9.0 or later (tested with v0.10.0)" in degraded["message"]
+            assert "install LeaderWorkerSet v0.9.0 or later (tested with v0.10.0), then restart the operator" \
+                in degraded["message"]
             assert condition(k.engine("qwen"), "Ready")["reason"] == "LeaderWorkerSetMissing"
             await eventually(lambda: k.events("LeaderWorkerSetMissing"), "a warning Event")
             assert [kind for kind in CHILDREN if child(k, kind) is not None] == []
