@@ -30,7 +30,7 @@ import aiohttp
 import kopf
 
 from kvpilot.operator import (adapter_loading, autoscaler, control_memory, kube, metrics, naming, reconcile,
-                              render_router, samples, status, tuning)
+                              render_lws, render_router, samples, status, tuning)
 from kvpilot.operator.controller import Controller, Interval, Key, StatusChange, Step
 
 logger = logging.getLogger(__name__)
@@ -288,8 +288,10 @@ class Autoscaling:
             if status.condition(engine, available.type).get("reason") != available.reason:
                 kopf.warn(about, reason=available.reason, message=available.message)
         if decision.reason:
-            # Before the count: the ReplicaSet picks the pods to delete when it sees the count.
-            await self._mark_for_removal(interval.ready, decision.remove)
+            # Before the count: the ReplicaSet picks the pods to delete when it sees the count. A
+            # LeaderWorkerSet removes its highest-indexed groups, whatever their pods' cost.
+            if not render_lws.spans_pods(spec):
+                await self._mark_for_removal(interval.ready, decision.remove)
             await self._reconciler.client.scale(engine, decision.replicas)
             kopf.info(about, reason=decision.reason, message=decision.message)
         now = datetime.datetime.fromtimestamp(interval.now, datetime.UTC)

@@ -7,7 +7,8 @@ child carries an ownerReference and the garbage collector removes it. The contro
 (autoscaling, policy tuning) is an operator-level task per engine, started and stopped by a plain
 event handler, for the same reason.
 
-Besides the engines, it follows their Deployments (the rollout, into status), every child (one
+Besides the engines, it follows their Deployments and LeaderWorkerSets (the rollout, into
+status), every child (one
 deleted or edited by hand is applied again at once) and the Secrets that hold tenants' API keys (a
 rotated or revoked key is copied again at once). Every pass of one engine runs after the last
 (reconcile.py).
@@ -26,6 +27,8 @@ registry = kopf.OperatorRegistry()
 _ENGINES = (naming.GROUP, naming.VERSION, naming.PLURAL)
 _OWN_CHILDREN = {naming.MANAGED_BY_LABEL: naming.FIELD_MANAGER}
 _DEPLOYMENTS = ("apps", "v1", "deployments")
+# Followed where their CRD is served when the operator starts, as ServiceMonitors are (below).
+_LEADER_WORKER_SETS = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 _SERVICES = ("", "v1", "services")
 _CONFIG_MAPS = ("", "v1", "configmaps")
 _PDBS = ("policy", "v1", "poddisruptionbudgets")
@@ -37,8 +40,8 @@ _ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
 # it is not, kopf says so once in its log and watches the rest (scanning is off, so a CRD
 # installed later is followed from the next start; each pass still applies its ServiceMonitor).
 _SERVICE_MONITORS = ("monitoring.coreos.com", "v1", "servicemonitors")
-_CHILD_RESOURCES = (_DEPLOYMENTS, _SERVICES, _CONFIG_MAPS, _PDBS, _SERVICE_ACCOUNTS, _ROLES, _ROLE_BINDINGS,
-                    _SERVICE_MONITORS)
+_CHILD_RESOURCES = (_DEPLOYMENTS, _LEADER_WORKER_SETS, _SERVICES, _CONFIG_MAPS, _PDBS, _SERVICE_ACCOUNTS, _ROLES,
+                    _ROLE_BINDINGS, _SERVICE_MONITORS)
 LIST_CHUNK_SIZE = 500
 
 # Retry delays after a failed API call: 1 s, doubling, at most 5 minutes.
@@ -137,14 +140,15 @@ async def follow_engine(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
 
 
 @kopf.on.event(*_DEPLOYMENTS, labels=_OWN_CHILDREN, registry=registry)
-async def deployment_event(
+@kopf.on.event(*_LEADER_WORKER_SETS, labels=_OWN_CHILDREN, registry=registry)
+async def workload_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     try:
         await _follow_child(type, body, memo)
     except kube.ApiError as error:
-        # The next event of this Deployment, or of its engine, brings the status up to date.
-        logger.warning(f"Could not follow the Deployment: {error}")
+        # The next event of this workload, or of its engine, brings the status up to date.
+        logger.warning(f"Could not follow the {body.get('kind', 'workload')}: {error}")
 
 
 # The other children: one deleted or edited by hand is applied again (the Secrets are followed

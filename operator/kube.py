@@ -24,6 +24,7 @@ PLURALS = {
     "Secret": "secrets",
     "Service": "services",
     "Deployment": "deployments",
+    "LeaderWorkerSet": "leaderworkersets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
     "ServiceAccount": "serviceaccounts",

@@ -20,7 +20,8 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 PART_OF_LABEL = "app.kubernetes.io/part-of"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 
-# On the Deployment's own metadata (never its pod template, which would roll the pods):
+# On the workload's own metadata (the Deployment's or LeaderWorkerSet's; never its pod templates,
+# which would roll the pods):
 # the InferenceEngine generation it was rendered from, so that status can tell a finished
 # rollout of the current spec from one of an older spec.
 GENERATION_ANNOTATION = f"{GROUP}/generation"
@@ -33,6 +34,13 @@ def selector_labels(engine_name: str) -> dict[str, str]:
         INSTANCE_LABEL: engine_name,
         COMPONENT_LABEL: "engine",
     }
+
+
+def worker_labels(engine_name: str) -> dict[str, str]:
+    """The labels of the worker pods of an engine that spans several pods: not the engine pods'
+    component, so that every selector of engine pods (Services, the control loop's) finds the
+    group leaders alone, which serve the API."""
+    return {**labels(engine_name), COMPONENT_LABEL: "engine-worker"}
 
 
 def router_selector_labels(engine_name: str) -> dict[str, str]:
@@ -83,6 +91,12 @@ def scheduling_config_map_name(engine_name: str) -> str:
 
 def cache_salt_secret_name(engine_name: str) -> str:
     return f"{engine_name}-cache-salt"
+
+
+def leader_worker_set_name(engine_name: str) -> str:
+    """Not the engine's own name: LeaderWorkerSet makes a headless Service named after itself, for
+    its pods' addresses, and the engine's Service has that name."""
+    return f"{engine_name}-lws"
 
 
 def router_name(engine_name: str) -> str:

@@ -51,6 +51,12 @@ def owned(engine: Mapping[str, Any], api_version: str, kind: str, name: str, *,
     return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields}
 
 
+def stamped(engine: Mapping[str, Any], workload: Manifest) -> Manifest:
+    """The workload (Deployment or LeaderWorkerSet) with naming.GENERATION_ANNOTATION set."""
+    workload["metadata"]["annotations"] = {naming.GENERATION_ANNOTATION: str(engine["metadata"]["generation"])}
+    return workload
+
+
 @dataclass(frozen=True)
 class ModelSource:
     volumes: list[Manifest] = field(default_factory=list)

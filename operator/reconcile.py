@@ -7,6 +7,12 @@ changed, so that `kubectl describe ie` tells the story.
 A child that the operator's last apply left as the pass would render it again is not applied
 again: the watches on the children say when one is changed or deleted, and then it is. So a pass
 that changes nothing costs a fleet a few reads per engine, not two requests per child.
+
+An engine runs its pods from a Deployment, or over several pods from a LeaderWorkerSet; each pass
+reads whether the other kind is left over (parallelism.nodes changed, maybe while no operator
+ran) and deletes it. Where the spec needs a LeaderWorkerSet and the cluster serves none, the pass
+applies nothing at all, so the pods of the spec before keep serving, and status says what to
+install.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from typing import Any, cast
 
 import kopf
 
-from kvpilot.operator import kube, naming, pod_parts, render, render_router, status
+from kvpilot.operator import kube, naming, pod_parts, render, render_lws, render_router, status
 
 SERVICE_MONITORS = ("monitoring.coreos.com/v1", "servicemonitors")
-# How long one discovery answer (are ServiceMonitors served?) holds for every pass: a fleet's
-# passes ask once, and a CRD installed later is seen within this time.
+LEADER_WORKER_SETS = (render_lws.API_VERSION, render_lws.PLURAL)
+# How long one discovery answer (are ServiceMonitors, or LeaderWorkerSets, served?) holds for
+# every pass: a fleet's passes ask once, and a CRD installed later is seen within this time.
 DISCOVERY_TTL_SECONDS = 60.0
 
 
@@ -69,7 +76,8 @@ class Reconciler:
         self._on_pass = on_pass
         self._unwatched_kinds = unwatched_kinds
         self._clock = clock
-        self._monitors_served: tuple[float, bool] | None = None  # (when asked, the answer)
+        # (group version, plural) -> (when asked, whether it is served)
+        self._served: dict[tuple[str, str], tuple[float, bool]] = {}
         # Status is written from three places (a reconcile pass, the Deployment follower and the
         # control loop); one lock per engine, with fresh reads inside it, keeps an older view from
         # landing last.
@@ -119,14 +127,17 @@ class Reconciler:
         return problems
 
     async def _reconcile(self, engine: Mapping[str, Any]) -> list[str]:
+        if render_lws.spans_pods(engine["spec"]) and not await self._serves(*LEADER_WORKER_SETS):
+            return await self._unserved(engine)
         keys, problems = await self.tenant_keys(engine)
         admin_token = await self.admin_token(engine)
         # Read (or made) only where rendered: an engine without routing reads no more than before.
         cache_salt = await self.cache_salt(engine) if render_router.routed(engine) else ""
-        monitor = await self._serves_service_monitors()
+        monitor = await self._serves(*SERVICE_MONITORS)
         for child in render.children(engine, tenant_keys=keys, admin_token=admin_token, cache_salt=cache_salt,
                                      service_monitor=monitor):
             await self._apply(engine, child)
+        await self._retire_workload(engine)
         if not render_router.routed(engine) and self._routing_was_on(engine):
             # The Service leads to the engines again (applied above), and the routers go.
             for child in render_router.retired(engine):
@@ -136,15 +147,32 @@ class Reconciler:
             kopf.warn(_about(engine), reason=status.TENANT_KEY_MISSING, message=problem)
         return problems
 
+    async def _unserved(self, engine: Mapping[str, Any]) -> list[str]:
+        message = render_lws.missing_message(engine)
+        await self.refresh_status(engine["metadata"]["namespace"], engine["metadata"]["name"], unserved=message)
+        kopf.warn(_about(engine), reason=status.LEADER_WORKER_SET_MISSING, message=message)
+        return [message]
+
+    async def _retire_workload(self, engine: Mapping[str, Any]) -> None:
+        """Delete the engine's workload of the other kind, if there is one (where LeaderWorkerSets
+        are not served, there is none to read)."""
+        api_version, kind, name = render_lws.retired_workload(engine)
+        if kind == render_lws.KIND and not await self._serves(*LEADER_WORKER_SETS):
+            return
+        path = kube.path(api_version, kind, engine["metadata"]["namespace"], name)
+        left = await self.client.get(path)
+        if left is not None and naming.owner_name(left) == engine["metadata"]["name"]:
+            await self._delete(engine, left)
+
     async def child_changed(self, child: Mapping[str, Any]) -> None:
-        """Put back a child that was changed by hand, and follow a Deployment's rollout into its
-        owner's status."""
+        """Put back a child that was changed by hand, and follow a workload's rollout (a Deployment's,
+        a LeaderWorkerSet's) into its owner's status."""
         owner = naming.owner_name(child)
         if owner is None:
             return
         namespace = child["metadata"]["namespace"]
         if self._applied_by_operator(child):
-            if child["kind"] == "Deployment":
+            if child["kind"] in _WORKLOAD_KINDS:
                 await self.refresh_status(namespace, owner)
             return
         async with self._reconcile_locks[namespace, owner]:
@@ -195,15 +223,16 @@ class Reconciler:
             await self.reconcile_current(child["metadata"]["namespace"], owner)
 
     async def refresh_status(self, namespace: str, name: str, *, failure: str | None = None,
-                             problems: list[str] | None = None) -> None:
+                             problems: list[str] | None = None, unserved: str | None = None) -> None:
         async def derived(engine: Mapping[str, Any]) -> dict[str, Any]:
-            deployment = await self.client.get(kube.path("apps/v1", "Deployment", namespace, name))
+            api_version, kind, workload_name = render_lws.workload(engine)
+            workload = await self.client.get(kube.path(api_version, kind, namespace, workload_name))
             routers = None
             if render_router.routed(engine):
                 routers = await self.client.get(
                     kube.path("apps/v1", "Deployment", namespace, naming.router_name(name)))
-            return status.derive(engine, deployment, routers=routers, now=datetime.datetime.now(datetime.UTC),
-                                 failure=failure, problems=problems)
+            return status.derive(engine, workload, routers=routers, now=datetime.datetime.now(datetime.UTC),
+                                 failure=failure, problems=problems, unserved=unserved)
 
         await self.update_status(namespace, name, derived)
 
@@ -276,11 +305,12 @@ class Reconciler:
         secret = applied.manifest if applied is not None else await self.read_child(path)
         return (secret or {}).get("data", {}).get(key) or None
 
-    async def _serves_service_monitors(self) -> bool:
+    async def _serves(self, group_version: str, plural: str) -> bool:
         now = self._clock()
-        if self._monitors_served is None or now - self._monitors_served[0] >= DISCOVERY_TTL_SECONDS:
-            self._monitors_served = (now, await self.client.serves(*SERVICE_MONITORS))
-        return self._monitors_served[1]
+        asked = self._served.get((group_version, plural))
+        if asked is None or now - asked[0] >= DISCOVERY_TTL_SECONDS:
+            asked = self._served[group_version, plural] = (now, await self.client.serves(group_version, plural))
+        return asked[1]
 
     def _routing_was_on(self, engine: Mapping[str, Any]) -> bool:
         """Known without a read: RouterReady in status (dropped once routing is off, so a
@@ -310,9 +340,11 @@ class Reconciler:
             kopf.info(_about(engine), reason="Updated", message=f"Updated {what}")
 
 
+# What runs an engine's pods: their rollouts are followed into its status.
+_WORKLOAD_KINDS = frozenset({"Deployment", render_lws.KIND})
 # Kinds whose status changes all the time (their controllers' writes) and whose generation
 # changes only with their spec: for them the generation is the version an edit changes.
-_STATUS_BUSY_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
+_STATUS_BUSY_KINDS = frozenset({*_WORKLOAD_KINDS, "PodDisruptionBudget"})
 
 
 def _version(child: Mapping[str, Any]) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator import adapter_sources, naming, render_router
+from kvpilot.operator import adapter_sources, naming, render_lws, render_router
 from kvpilot.operator.pod_parts import (
     CACHE_DIR,
     CACHE_SALT_DIR,
@@ -25,12 +25,15 @@ from kvpilot.operator.pod_parts import (
     TENANTS_FILE,
     Manifest,
     ModelSource,
+    cache_env,
+    container_security,
     health_probe,
     model_source,
     owned,
     pod_security,
     secret_volume,
     server_container,
+    stamped,
     termination_grace_seconds,
 )
 from kvpilot.operator.render_router import routed
@@ -67,7 +70,7 @@ def children(
         scheduling_config_map(engine, effective_scheduling_policy(engine)),
         service(engine),
         *(render_router.engines_and_access(engine) if routing else []),
-        deployment(engine),
+        workload(engine),
         pod_disruption_budget(engine),
         *(render_router.router_workload(engine) if routing else []),
     ]
@@ -84,6 +87,7 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(CONTAINER_PORT),
         *spec_args(spec),
+        *(render_lws.group_args(spec, "0") if render_lws.spans_pods(spec) else []),
         "--tenants-file", TENANTS_FILE,
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
         *_start_policy_file(spec),
@@ -201,9 +205,17 @@ def endpoint(engine: Mapping[str, Any]) -> str:
     return f"http://{meta['name']}.{meta['namespace']}.svc:{engine['spec']['service']['port']}"
 
 
+def workload(engine: Mapping[str, Any]) -> Manifest:
+    """What runs the engine's pods: a Deployment, or where one engine spans several pods, a
+    LeaderWorkerSet of groups."""
+    if render_lws.spans_pods(engine["spec"]):
+        return render_lws.leader_worker_set(engine, pod_template(engine), worker_pod_template(engine))
+    return deployment(engine)
+
+
 def deployment(engine: Mapping[str, Any]) -> Manifest:
     meta = engine["metadata"]
-    manifest = owned(engine, "apps/v1", "Deployment", meta["name"], spec={
+    return stamped(engine, owned(engine, "apps/v1", "Deployment", meta["name"], spec={
         "replicas": engine["spec"]["replicas"],
         "selector": {"matchLabels": naming.selector_labels(meta["name"])},
         # A surge pod would need a spare GPU that may not exist and deadlock the rollout:
@@ -212,32 +224,56 @@ def deployment(engine: Mapping[str, Any]) -> Manifest:
         # Loading, or downloading, large weights can outlast the default 10 minutes.
         "progressDeadlineSeconds": 1800,
         "template": pod_template(engine),
-    })
-    manifest["metadata"]["annotations"] = {naming.GENERATION_ANNOTATION: str(meta["generation"])}
-    return manifest
+    }))
 
 
 def pod_template(engine: Mapping[str, Any]) -> Manifest:
-    name = engine["metadata"]["name"]
+    """The pods that serve the API: each one of the Deployment, or each group's leader."""
+    spec = engine["spec"]
+    source = model_source(engine)
+    containers = [_engine_container(engine, source),
+                  *([adapter_sources.download_container(engine)] if adapter_sources.lora_enabled(spec) else [])]
+    return _pod(engine, naming.labels(engine["metadata"]["name"]), source, containers, _volumes(engine, source))
+
+
+def worker_pod_template(engine: Mapping[str, Any]) -> Manifest:
+    """The other pods of a group: the engine's ranks, with the model and no API to serve, so no
+    probe (the leader's readiness waits for them) and none of the API server's files."""
+    spec = engine["spec"]
+    source = model_source(engine)
+    container = {
+        "name": "engine",
+        "image": spec["image"],
+        "command": ["kvpilot", "serve"],
+        "args": render_lws.worker_args(spec),
+        "env": cache_env(),
+        "resources": _resources(spec),
+        "securityContext": container_security(),
+        "volumeMounts": [*source.mounts, *_scratch_mounts()],
+    }
+    return _pod(engine, naming.worker_labels(engine["metadata"]["name"]), source, [container],
+                [*source.volumes, *_scratch_volumes()])
+
+
+def _pod(engine: Mapping[str, Any], labels: Mapping[str, str], source: ModelSource, containers: list[Manifest],
+         volumes: list[Manifest]) -> Manifest:
     spec = engine["spec"]
     overrides = spec.get("podTemplate", {})
-    source = model_source(engine)
     pod_spec: dict[str, Any] = {
         # Service links inject <SERVICE>_PORT-style variables that can collide with engine settings.
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": pod_security(),
-        "containers": [_engine_container(engine, source),
-                       *([adapter_sources.download_container(engine)] if adapter_sources.lora_enabled(spec) else [])],
-        "volumes": _volumes(engine, source),
+        "containers": containers,
+        "volumes": volumes,
     }
     if source.init_containers:
         pod_spec["initContainers"] = source.init_containers
     for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
         if key in overrides:
             pod_spec[key] = copy.deepcopy(overrides[key])
-    metadata: dict[str, Any] = {"labels": naming.labels(name)}
+    metadata: dict[str, Any] = {"labels": dict(labels)}
     if overrides.get("annotations"):
         metadata["annotations"] = dict(overrides["annotations"])
     return {"metadata": metadata, "spec": pod_spec}
@@ -245,10 +281,13 @@ def pod_template(engine: Mapping[str, Any]) -> Manifest:
 
 def pod_disruption_budget(engine: Mapping[str, Any]) -> Manifest:
     name = engine["metadata"]["name"]
+    # Over a LeaderWorkerSet, every pod of every group: a group stops whichever of its pods goes.
+    selector = (render_lws.group_selector(engine) if render_lws.spans_pods(engine["spec"])
+                else naming.selector_labels(name))
     return owned(engine, "policy/v1", "PodDisruptionBudget", name, spec={
         # One pod at a time: with a single replica this still lets a node drain proceed.
         "maxUnavailable": 1,
-        "selector": {"matchLabels": naming.selector_labels(name)},
+        "selector": {"matchLabels": selector},
         # A pod that is not serving anyway must not block a drain.
         "unhealthyPodEvictionPolicy": "AlwaysAllow",
     })
@@ -276,6 +315,8 @@ def service_monitor_for(engine: Mapping[str, Any]) -> Manifest:
 def _engine_container(engine: Mapping[str, Any], source: ModelSource) -> Manifest:
     spec = engine["spec"]
     ports = [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}]
+    if render_lws.spans_pods(spec):
+        ports.append({"name": "distributed", "containerPort": render_lws.MASTER_PORT, "protocol": "TCP"})
     if routed(engine):
         ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
                   {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"}]
@@ -285,11 +326,7 @@ def _engine_container(engine: Mapping[str, Any], source: ModelSource) -> Manifes
         {"name": "tenant-keys", "mountPath": TENANT_KEYS_DIR, "readOnly": True},
         {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
         {"name": "scheduling", "mountPath": SCHEDULING_DIR, "readOnly": True},
-        {"name": "cache", "mountPath": CACHE_DIR},
-        {"name": "tmp", "mountPath": "/tmp"},
-        # Tensor-parallel workers exchange tensors through shared memory; a container's
-        # default /dev/shm (64 MiB) is far too small.
-        {"name": "dshm", "mountPath": "/dev/shm"},
+        *_scratch_mounts(),
         *_cache_salt_mounts(engine),
         *adapter_sources.mounts(spec),
     ]
@@ -312,18 +349,35 @@ def _volumes(engine: Mapping[str, Any], source: ModelSource) -> list[Manifest]:
         secret_volume("tenant-keys", naming.tenant_keys_secret_name(engine_name)),
         secret_volume("admin-token", naming.admin_token_secret_name(engine_name)),
         {"name": "scheduling", "configMap": {"name": naming.scheduling_config_map_name(engine_name)}},
+        *_scratch_volumes(),
+        *([render_router.cache_salt_volume(engine)] if routed(engine) else []),
+        *adapter_sources.volumes(engine["spec"]),
+    ]
+
+
+def _scratch_mounts() -> list[Manifest]:
+    return [
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        # Tensor-parallel workers exchange tensors through shared memory; a container's
+        # default /dev/shm (64 MiB) is far too small.
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+
+
+def _scratch_volumes() -> list[Manifest]:
+    return [
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        *([render_router.cache_salt_volume(engine)] if routed(engine) else []),
-        *adapter_sources.volumes(engine["spec"]),
     ]
 
 
 def _resources(spec: Mapping[str, Any]) -> Manifest:
     own = spec.get("resources", {})
     resources: Manifest = {
-        "limits": {GPU_RESOURCE: spec["parallelism"]["tensor"], **copy.deepcopy(own.get("limits", {}))},
+        # One GPU per rank of the pod.
+        "limits": {GPU_RESOURCE: render_lws.ranks_per_pod(spec), **copy.deepcopy(own.get("limits", {}))},
     }
     if own.get("requests"):
         resources["requests"] = copy.deepcopy(own["requests"])

@@ -28,6 +28,9 @@ class SpecFlag:
     renamed_because: str = ""
     # The flag's value from the field's; a bool field renders as --flag / --no-flag instead.
     convert: Callable[[Any], str] = str
+    # A value rendered as no flag at all (the engine's default), so that a field added after
+    # engines existed leaves their pod templates, and so their pods, as they were.
+    left_out_at: Any = None
 
     def args(self, spec: Mapping[str, Any]) -> list[str]:
         value: Any = spec
@@ -35,6 +38,8 @@ class SpecFlag:
             if key not in value:
                 return []  # unset: the engine's own default applies
             value = value[key]
+        if self.left_out_at is not None and value == self.left_out_at:
+            return []
         if isinstance(value, bool):
             return [self.flag if value else "--no-" + self.flag.removeprefix("--")]
         return [self.flag, self.convert(value)]
@@ -44,7 +49,10 @@ SPEC_FLAGS: tuple[SpecFlag, ...] = (
     SpecFlag(("model", "name"), "--served-model-name",
              "the model block names the model once; vLLM calls that name the served model name"),
     SpecFlag(("parallelism", "tensor"), "--tensor-parallel-size",
-             "parallelism groups the ways a pod splits the model (tensor now, pipeline later), as LeaderWorkerSet does"),
+             "parallelism groups the ways a replica splits the model (tensor, pipeline, over nodes pods)"),
+    SpecFlag(("parallelism", "pipeline"), "--pipeline-parallel-size",
+             "parallelism groups the ways a replica splits the model (tensor, pipeline, over nodes pods)",
+             left_out_at=1),
     SpecFlag(("engine", "maxNumSeqs"), "--max-num-seqs"),
     SpecFlag(("engine", "maxNumBatchedTokens"), "--max-num-batched-tokens"),
     SpecFlag(("engine", "maxModelLen"), "--max-model-len"),
@@ -76,6 +84,12 @@ RESERVED_FLAGS: dict[str, str] = {
     "--kv-events-config": "with routing, the operator's own publisher and replay sockets, which the routers subscribe to",
     "--cache-salt-secret-file": "with routing, the operator's salt Secret, which engines and routers must share",
     "--enable-lora": "on while spec.adapters is set",
+    # parallelism.nodes above 1: from the LeaderWorkerSet's pod layout (render_lws.py).
+    "--nnodes": "parallelism.nodes, on every pod of a replica",
+    "--node-rank": "each pod's index in its LeaderWorkerSet group",
+    "--master-addr": "the group's leader pod, as LeaderWorkerSet names it",
+    "--master-port": "the leader's port for the other pods of its group",
+    "--headless": "on every pod of a group but the leader",
     "--lora-modules": "the operator loads spec.adapters into running pods through the admin routes, so that "
                       "adapter changes never restart a pod",
 }

@@ -1,9 +1,13 @@
-"""The child Deployment (and the last reconcile's outcome) -> InferenceEngine status. Pure:
+"""The child workload (and the last reconcile's outcome) -> InferenceEngine status. Pure:
 the clock is a parameter.
 
-Status never claims Ready before the Deployment has rolled out the pod template of the current
-spec: the Deployment carries the engine generation it was rendered from, and Ready needs that
-generation, the Deployment controller's observation of it, and every updated replica available.
+The workload is the engine's Deployment, or for an engine over several pods its LeaderWorkerSet,
+whose replicas are groups: a group counts as ready when LeaderWorkerSet counts it so (its leader
+ready, and its workers' StatefulSet), and status.replicas and readyReplicas count groups.
+
+Status never claims Ready before the workload has rolled out the pod template of the current
+spec: the workload carries the engine generation it was rendered from, and Ready needs that
+generation, its controller's observation of it, and every updated replica available.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator import autoscaler, naming, render, render_router
+from kvpilot.operator import autoscaler, naming, render, render_lws, render_router
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -25,6 +29,7 @@ SCALED_TO_ZERO = "ScaledToZero"
 DEGRADED = "Degraded"
 RECONCILE_FAILED = "ReconcileFailed"
 TENANT_KEY_MISSING = "TenantKeyMissing"
+LEADER_WORKER_SET_MISSING = "LeaderWorkerSetMissing"
 AUTOSCALER_CONDITIONS = (autoscaler.METRICS_AVAILABLE, autoscaler.SCALING_LIMITED)
 # The Deployment controller's reason when the API server refuses a pod, reused as is.
 FAILED_CREATE = "FailedCreate"
@@ -41,33 +46,43 @@ class _Verdict:
 
 def derive(
     engine: Mapping[str, Any],
-    deployment: Mapping[str, Any] | None,
+    workload: Mapping[str, Any] | None,
     *,
     now: datetime.datetime,
     routers: Mapping[str, Any] | None = None,
     failure: str | None = None,
     problems: list[str] | None = None,
+    unserved: str | None = None,
 ) -> dict[str, Any]:
-    """The status fields the reconciler owns. `routers` is the routers' Deployment (with
+    """The status fields the reconciler owns. `workload` is the engine's Deployment or
+    LeaderWorkerSet (render_lws.workload says which), `routers` the routers' Deployment (with
     routing). `failure` is why applying the current spec failed;
     a failure recorded earlier for the same generation stands until the spec changes. `problems`
     are what a reconcile pass found missing (the Degraded condition); None leaves that condition
-    as it is (a refresh that did not look)."""
+    as it is (a refresh that did not look). `unserved` says that the spec needs LeaderWorkerSet
+    and the cluster does not serve it, so nothing of the spec was applied."""
     meta = engine["metadata"]
     spec = engine["spec"]
     current = engine.get("status") or {}
     failure = failure or standing_failure(engine)
-    rollout = (deployment or {}).get("status") or {}
+    rollout = (workload or {}).get("status") or {}
+    _, kind, _ = render_lws.workload(engine)
 
     if failure is not None:
         observed: int | None = meta["generation"]
         verdict = _Verdict("Failed", RECONCILE_FAILED, failure)
-    elif deployment is None:
+    elif unserved is not None:
         observed = current.get("observedGeneration")
-        verdict = _Verdict("Pending", "DeploymentMissing", "the engine's Deployment does not exist yet")
+        verdict = _Verdict("Pending", LEADER_WORKER_SET_MISSING, unserved)
+    elif workload is None:
+        observed = current.get("observedGeneration")
+        verdict = _Verdict("Pending", f"{kind}Missing", f"the engine's {kind} does not exist yet")
+    elif kind == render_lws.KIND:
+        observed = rendered_generation(workload)
+        verdict = _judge_groups(workload, meta["generation"], rolled_out_before=_rolled_out(current, observed))
     else:
-        observed = rendered_generation(deployment)
-        verdict = _judge_rollout(deployment, meta["generation"])
+        observed = rendered_generation(workload)
+        verdict = _judge_rollout(workload, meta["generation"])
 
     stamp = timestamp(now)
     conditions = list(current.get("conditions", []))
@@ -100,7 +115,9 @@ def derive(
             observed, stamp,
         )
 
-    if problems is not None:
+    if unserved is not None:
+        conditions = set_condition(conditions, DEGRADED, True, LEADER_WORKER_SET_MISSING, unserved, observed, stamp)
+    elif problems is not None:
         conditions = set_condition(
             conditions, DEGRADED, bool(problems), TENANT_KEY_MISSING if problems else "TenantKeysFound",
             "; ".join(problems) if problems else "every tenant's API key Secret is found", observed, stamp,
@@ -182,18 +199,26 @@ def rendered_generation(deployment: Mapping[str, Any]) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
-    rollout = deployment.get("status") or {}
+def _behind(workload: Mapping[str, Any], kind: str, generation: int, *,
+            why_unreported: str = "") -> _Verdict | None:
+    """Why the workload does not show the current spec yet; None once its controller caught up."""
+    rollout = workload.get("status") or {}
     if "observedGeneration" not in rollout:
-        return _Verdict("Pending", "DeploymentPending",
-                        "the Deployment controller has not acted on the Deployment yet")
-    if rendered_generation(deployment) != generation:
-        return _Verdict("Progressing", "Reconciling",
-                        f"generation {generation} is not applied to the Deployment yet")
-    if rollout["observedGeneration"] < deployment.get("metadata", {}).get("generation", 0):
+        return _Verdict("Pending", f"{kind}Pending",
+                        f"the {kind} controller has not acted on the {kind} yet{why_unreported}")
+    if rendered_generation(workload) != generation:
+        return _Verdict("Progressing", "Reconciling", f"generation {generation} is not applied to the {kind} yet")
+    if rollout["observedGeneration"] < workload.get("metadata", {}).get("generation", 0):
         return _Verdict("Progressing", "RolloutPending",
-                        "the Deployment controller has not observed the new pod template yet")
+                        f"the {kind} controller has not observed the new pod template yet")
+    return None
 
+
+def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
+    behind = _behind(deployment, "Deployment", generation)
+    if behind is not None:
+        return behind
+    rollout = deployment["status"]
     wanted = deployment.get("spec", {}).get("replicas", 1)
     available = rollout.get("availableReplicas", 0)
     refused = _deployment_condition(deployment, "ReplicaFailure")
@@ -226,6 +251,36 @@ def _judge_rollout(deployment: Mapping[str, Any], generation: int) -> _Verdict:
                             rolled_out=True)
         return _Verdict("Progressing", "RollingOut", f"{available}/{wanted} updated replicas are available")
     return _Verdict("Ready", "Available", f"{available}/{wanted} replicas are available", rolled_out=True)
+
+
+def _rolled_out(current: Mapping[str, Any], generation: int | None) -> bool:
+    """Whether status already recorded a finished rollout of this generation."""
+    progressing = next((c for c in current.get("conditions", []) if c.get("type") == PROGRESSING), {})
+    return progressing.get("reason") == "RolloutComplete" and progressing.get("observedGeneration") == generation
+
+
+def _judge_groups(lws: Mapping[str, Any], generation: int, *, rolled_out_before: bool) -> _Verdict:
+    """A LeaderWorkerSet's rollout, in groups. LeaderWorkerSet tells no new group still starting
+    from a lost one, so status does: once this generation rolled out, a group missing is lost."""
+    behind = _behind(lws, render_lws.KIND, generation, why_unreported=(
+        f" (it reports status.observedGeneration from LeaderWorkerSet {render_lws.OLDEST_VERSION} on)"))
+    if behind is not None:
+        return behind
+    rollout = lws["status"]
+    wanted = lws.get("spec", {}).get("replicas", 1)
+    updated = rollout.get("updatedReplicas", 0)
+    total = rollout.get("replicas", 0)
+    ready = rollout.get("readyReplicas", 0)
+    if updated < wanted or total > wanted:
+        return _Verdict("Progressing", "RollingOut",
+                        f"{updated}/{wanted} groups run the current pod templates ({total} groups exist)")
+    if wanted == 0:
+        return _Verdict("Pending", SCALED_TO_ZERO, "spec.replicas is 0: no engine is running")
+    if ready < wanted:
+        if rolled_out_before:
+            return _Verdict("Degraded", "ReplicasUnavailable", f"{ready}/{wanted} groups are ready", rolled_out=True)
+        return _Verdict("Progressing", "RollingOut", f"{ready}/{wanted} updated groups are ready")
+    return _Verdict("Ready", "Available", f"{ready}/{wanted} groups are ready", rolled_out=True)
 
 
 def _judge_routers(routers: Mapping[str, Any] | None) -> tuple[bool, str, str]:

@@ -33,11 +33,13 @@ def granted(rules: Iterable[dict[str, Any]]) -> set[Right]:
 def recorded_calls(tmp_path: Path) -> set[Right]:
     """Every right the operator needs while it creates an engine's children (ServiceMonitor
     included), follows a spec change and a rollout, recreates a deleted Deployment, adds the
-    routers (their ServiceAccount, Role and RoleBinding) and removes them, autoscales up and down,
+    routers (their ServiceAccount, Role and RoleBinding) and removes them, runs the engine over
+    two pods (a LeaderWorkerSet in place of the Deployment, recreated once deleted) and back on
+    one, autoscales up and down,
     reading the pods directly and then through Prometheus, and tunes the scheduling policy."""
     async def scenario() -> set[Right]:
         pod = FakePod(token=None)
-        async with cluster(tmp_path, service_monitors=True) as k, fake_metrics() as fake, serving(pod=pod) as urls, \
+        async with cluster(tmp_path, service_monitors=True, leader_worker_sets=True) as k, fake_metrics() as fake, serving(pod=pod) as urls, \
                 operator(pod_metrics_url=fake.pod_url, pod_url=lambda _: urls["pod"]):
             await created(k)
             await eventually(lambda: child(k, "ServiceMonitor"), "every child")
@@ -51,6 +53,14 @@ def recorded_calls(tmp_path: Path) -> set[Right]:
             await eventually(lambda: k.deployment("qwen-router"), "the routers")
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": False}))
             await eventually(lambda: k.deployment("qwen-router") is None, "the routers gone")
+            await k.update_engine("qwen", lambda spec: spec.update(parallelism={"tensor": 2, "nodes": 2}))
+            await eventually(lambda: k.leader_worker_set("qwen") and k.deployment("qwen") is None,
+                             "the LeaderWorkerSet in place of the Deployment")
+            await k.delete(f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets/qwen-lws")
+            await eventually(lambda: k.leader_worker_set("qwen"), "the recreated LeaderWorkerSet")
+            await k.update_engine("qwen", lambda spec: spec.update(parallelism={"tensor": 1, "nodes": 1}))
+            await eventually(lambda: k.deployment("qwen") and k.leader_worker_set("qwen") is None,
+                             "the Deployment back")
 
             await k.create_pod("qwen-a", "qwen", ready=True)
             fake.set(["qwen-a"], kv=1.0)

@@ -55,6 +55,8 @@ CHILDREN = {
     "AdminToken": "v1/secrets",
     "SchedulingConfig": "v1/configmaps",
 }
+# What runs an engine over several pods in place of the Deployment, where the cluster serves it.
+LEADER_WORKER_SETS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 # The kinds only routing adds (its Deployment, Service, PDB and Secret are of the kinds above).
 ROUTER_KINDS = {
     "ServiceAccount": "v1/serviceaccounts",
@@ -166,9 +168,12 @@ class Cluster:
             [{"op": "replace", "path": "/spec", "value": engine["spec"]}], "application/json-patch+json",
         )
 
-    async def create_pod(self, name: str, engine: str, *, ready: bool, router: bool = False) -> None:
-        """A pod of the engine's Deployment (or its routers'), as its ReplicaSet and the kubelet would make it."""
-        labels = naming.router_selector_labels(engine) if router else naming.selector_labels(engine)
+    async def create_pod(self, name: str, engine: str, *, ready: bool, router: bool = False,
+                         worker: bool = False) -> None:
+        """A pod of the engine's Deployment (or its routers', or a worker of its LeaderWorkerSet's
+        groups), as its controller and the kubelet would make it."""
+        labels = (naming.router_selector_labels(engine) if router else naming.worker_labels(engine) if worker
+                  else naming.selector_labels(engine))
         await self._send("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
@@ -223,6 +228,30 @@ class Cluster:
             "application/merge-patch+json",
         )
 
+    def leader_worker_set(self, engine: str) -> dict[str, Any] | None:
+        return self.object(LEADER_WORKER_SETS, naming.leader_worker_set_name(engine))
+
+    async def report_groups(self, engine: str, *, ready: int | None = None) -> None:
+        """Report the engine's LeaderWorkerSet as its controller would: it has observed the current
+        generation, every group runs the current templates, `ready` of them (all by default) are ready."""
+        lws = self.leader_worker_set(engine)
+        assert lws is not None
+        wanted = lws["spec"]["replicas"]
+        ready = wanted if ready is None else ready
+        await self._send(
+            "PATCH", f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets/"
+                     f"{lws['metadata']['name']}/status",
+            {"status": {"observedGeneration": lws["metadata"]["generation"], "replicas": wanted,
+                        "updatedReplicas": wanted, "readyReplicas": ready,
+                        "hpaPodSelector": f"leaderworkerset.sigs.k8s.io/name={lws['metadata']['name']},"
+                                          "leaderworkerset.sigs.k8s.io/worker-index=0",
+                        "conditions": [{"type": "Available" if ready == wanted else "Progressing",
+                                        "status": "True", "reason": "AllGroupsReady" if ready == wanted
+                                        else "GroupsProgressing", "message": "", "lastTransitionTime":
+                                        "2026-01-01T00:00:00Z"}]}},
+            "application/merge-patch+json",
+        )
+
     async def _send(self, method: str, url: str, body: Any = None, content_type: str = "application/json") -> Any:
         async with self.session.request(method, url, json=body, headers={"Content-Type": content_type}) as response:
             payload = await response.json()
@@ -236,10 +265,12 @@ def _pod_status(ready: bool) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def cluster(tmp_path: Path, *, service_monitors: bool = False) -> AsyncIterator[Cluster]:
+async def cluster(tmp_path: Path, *, service_monitors: bool = False,
+                  leader_worker_sets: bool = False) -> AsyncIterator[Cluster]:
     """An emulated API server on its own thread and event loop: kopf, when it stops, waits for
-    every task started in its loop since it began, and the server's watch streams never end."""
-    server = _ServerThread(service_monitors=service_monitors)
+    every task started in its loop since it began, and the server's watch streams never end.
+    `service_monitors`, `leader_worker_sets`: whether it serves those kinds (their CRDs installed)."""
+    server = _ServerThread(service_monitors=service_monitors, leader_worker_sets=leader_worker_sets)
     server.start()
     await asyncio.to_thread(server.started.wait, WAIT_TIMEOUT)
     assert server.url, "the emulated API server did not start"
@@ -272,9 +303,10 @@ def write_kubeconfig(path: Path, url: str, token: str | None = None) -> Path:
 
 
 class _ServerThread(threading.Thread):
-    def __init__(self, *, service_monitors: bool) -> None:
+    def __init__(self, *, service_monitors: bool, leader_worker_sets: bool) -> None:
         super().__init__(name="emulated-apiserver", daemon=True)
         self.service_monitors = service_monitors
+        self.leader_worker_sets = leader_worker_sets
         self.started = threading.Event()
         self.url = ""
         self.api = EmulatedApiServer()
@@ -292,7 +324,8 @@ class _ServerThread(threading.Thread):
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         async with self.api, kmock.Server(self.api) as http:
-            _declare_resources(self.api, service_monitors=self.service_monitors)
+            _declare_resources(self.api, service_monitors=self.service_monitors,
+                               leader_worker_sets=self.leader_worker_sets)
             self.url = str(http.url)
             self.started.set()
             await self._stopping.wait()
@@ -359,8 +392,9 @@ async def operator(**memo: Any) -> AsyncIterator[None]:
         await asyncio.wait_for(task, WAIT_TIMEOUT)
 
 
-def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> None:
-    """The discovery documents of a cluster: built-in kinds, the CRD, and maybe ServiceMonitors."""
+def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool, leader_worker_sets: bool) -> None:
+    """The discovery documents of a cluster: built-in kinds, the CRD, and maybe ServiceMonitors
+    and LeaderWorkerSets."""
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
     declared = {
         ENGINES: ("InferenceEngine", {"status", "scale"}),
@@ -376,6 +410,8 @@ def _declare_resources(server: EmulatedApiServer, *, service_monitors: bool) -> 
     }
     if service_monitors:
         declared[CHILDREN["ServiceMonitor"]] = ("ServiceMonitor", set())
+    if leader_worker_sets:
+        declared[LEADER_WORKER_SETS] = ("LeaderWorkerSet", {"status", "scale"})
     for resource, (kind, subresources) in declared.items():
         server.resources[resource] = kmock.ResourceInfo(
             kind=kind, namespaced=True, verbs=verbs, subresources=subresources

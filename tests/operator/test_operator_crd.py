@@ -100,7 +100,7 @@ def test_schema_carries_every_design_field() -> None:
 def test_design_defaults() -> None:
     spec = with_defaults({"spec": {}})["spec"]
     assert spec["replicas"] == 1
-    assert spec["parallelism"] == {"tensor": 1}
+    assert spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1}
     assert spec["scheduling"] == {"policy": "fcfs", "calmWindowSeconds": 300}
     assert spec["service"] == {"type": "ClusterIP", "port": 8000}
     assert spec["autoscaling"] == {
@@ -224,6 +224,16 @@ def test_invalid_specs_are_rejected_with_a_clear_message(change: str, expected: 
         ({"autoscaling": {"targets": {"ttftSeconds": 90}}},
          "autoscaling.targets.ttftSeconds must be below autoscaling.backlogDrainSeconds"),
         ({"autoscaling": {"backlogDrainSeconds": 0}}, "0 is less than the minimum of 1"),
+        ({"parallelism": {"tensor": 2, "nodes": 4}},
+         "parallelism.nodes 4 does not divide the 2 ranks of parallelism.tensor * parallelism.pipeline"),
+        ({"parallelism": {"tensor": 4, "pipeline": 3, "nodes": 8}}, "parallelism.nodes 8 does not divide the 12 ranks"),
+        ({"parallelism": {"pipeline": 0}}, "0 is less than the minimum of 1"),
+        ({"parallelism": {"nodes": 0}}, "0 is less than the minimum of 1"),
+        ({"parallelism": {"nodes": 33}}, "33 is greater than the maximum of 32"),
+        ({"parallelism": {"tensor": 2, "nodes": 2}, "adapters": []}, "spec.adapters needs parallelism.nodes 1"),
+        ({"engine": {"extraArgs": ["--nnodes", "2"]}}, "extraArgs must not repeat a flag"),
+        ({"engine": {"extraArgs": ["--headless"]}}, "extraArgs must not repeat a flag"),
+        ({"engine": {"extraArgs": ["--pipeline-parallel-size=2"]}}, "extraArgs must not repeat a flag"),
     ],
 )
 def test_more_bad_input_is_rejected(change: dict[str, Any], expected: str) -> None:
@@ -268,6 +278,30 @@ def test_long_or_odd_names_are_rejected() -> None:
         assert any("DNS-1035 label" in m for m in errors(with_defaults(engine))), name
 
 
+@pytest.mark.parametrize("parallelism", [{"tensor": 8, "nodes": 2}, {"tensor": 4, "pipeline": 2, "nodes": 2},
+                                         {"tensor": 1, "pipeline": 4, "nodes": 4}, {"tensor": 2, "pipeline": 3}])
+def test_ranks_that_split_evenly_over_the_pods_are_accepted(parallelism: dict[str, int]) -> None:
+    engine = example()
+    engine["spec"]["parallelism"] = parallelism
+    engine["spec"]["resources"].pop("limits", None)
+    assert errors(with_defaults(engine)) == []
+
+
+def test_an_engine_over_several_pods_has_a_shorter_name() -> None:
+    # Its LeaderWorkerSet names a StatefulSet per group after it.
+    engine = example()
+    engine["spec"]["parallelism"] = {"tensor": 2, "nodes": 2}
+    engine["spec"]["resources"].pop("limits", None)
+    engine["metadata"]["name"] = "a" * 44
+    assert errors(with_defaults(engine)) == []
+    engine["metadata"]["name"] = "a" * 45
+    (found,) = errors(with_defaults(engine))
+    assert found.startswith("metadata.name: metadata.name must be at most 44 characters when parallelism.nodes is"
+                            " above 1"), found
+    engine["spec"]["parallelism"] = {"tensor": 2}
+    assert errors(with_defaults(engine)) == []
+
+
 def test_extra_args_rule_forbids_exactly_the_rendered_flags() -> None:
     """The CEL rule's list and the renderer's flags must not drift apart."""
     (pattern,) = re.findall(r"matches\('(.*?)'\)", _extra_args_rule())
@@ -280,7 +314,9 @@ def test_extra_args_rule_forbids_exactly_the_rendered_flags() -> None:
     })
     rendered = {arg for arg in render.serve_args(engine) if arg.startswith("--")}
     owned = {"--no-enable-prefix-caching", "--scheduling-policy-file", "--api-key", "--model",
-             "--kv-events-config", "--cache-salt-secret-file"}  # routing renders these two  # auto renders the file flag
+             "--kv-events-config", "--cache-salt-secret-file",  # routing renders these two  # auto renders the file flag
+             "--pipeline-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+             "--headless"}  # an engine over several pods
     assert all(re.fullmatch(pattern, flag) for flag in rendered | owned)
     for unowned in ("--seed", "--dtype", "--enable-chunked-prefill", "--portable"):
         assert not re.fullmatch(pattern, unowned), unowned

@@ -1,4 +1,4 @@
-"""Status: the child Deployment -> phase, conditions and counts, never Ready too early."""
+"""Status: the child Deployment (or LeaderWorkerSet) -> phase, conditions and counts, never Ready too early."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from inference_engines import engine
+from inference_engines import FULL_SPEC, engine
 from kvpilot.operator import autoscaler, status
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -264,3 +264,56 @@ def test_turning_autoscaling_off_drops_its_conditions_and_reading() -> None:
     assert "metrics" not in status.derive(again, deployment(), now=T1)
     # A decision that was under way when autoscaling was turned off records nothing.
     assert status.autoscaling(again, decision(2), now=T1, scaled=False) == {}
+
+
+def over_pods() -> dict[str, Any]:
+    return engine({**FULL_SPEC, "parallelism": {"tensor": 2, "nodes": 2}})
+
+
+def groups(*, observed: int | None = 7, ready: int = 2, updated: int = 2, total: int = 2) -> dict[str, Any]:
+    """The engine's LeaderWorkerSet, two groups wanted, as its controller reports it."""
+    lws = deployment(observed=observed, total=total, updated=updated, ready=ready)
+    lws["kind"] = "LeaderWorkerSet"
+    del lws["status"]["availableReplicas"], lws["status"]["conditions"]
+    return lws
+
+
+def test_an_engine_over_pods_counts_ready_groups() -> None:
+    found = status.derive(over_pods(), groups(), now=T0)
+    assert (found["phase"], found["replicas"], found["readyReplicas"]) == ("Ready", 2, 2)
+    assert condition(found, "Ready")["message"] == "2/2 groups are ready"
+    # The leaders alone, as the scale subresource's selector: each one stands for its group.
+    assert found["selector"] == (
+        "app.kubernetes.io/component=engine,app.kubernetes.io/instance=llama,app.kubernetes.io/name=kvpilot"
+    )
+
+
+@pytest.mark.parametrize(("lws", "phase", "reason"), [
+    (groups(observed=None), "Pending", "LeaderWorkerSetPending"),
+    (groups(observed=6), "Progressing", "RolloutPending"),
+    (groups(updated=1), "Progressing", "RollingOut"),
+    (groups(total=3), "Progressing", "RollingOut"),
+    (groups(ready=1), "Progressing", "RollingOut"),
+    (None, "Pending", "LeaderWorkerSetMissing"),
+])
+def test_an_engine_over_pods_is_not_ready_before_every_group_is(lws: dict[str, Any] | None, phase: str,
+                                                                  reason: str) -> None:
+    found = status.derive(over_pods(), lws, now=T0)
+    assert (found["phase"], condition(found, "Ready")["reason"]) == (phase, reason)
+
+
+def test_a_group_lost_after_the_rollout_degrades_the_engine() -> None:
+    obj = over_pods()
+    obj["status"] = status.derive(obj, groups(), now=T0)
+    found = status.derive(obj, groups(ready=1), now=T1)
+    assert (found["phase"], condition(found, "Ready")["reason"], found["readyReplicas"]) == \
+        ("Degraded", "ReplicasUnavailable", 1)
+
+
+def test_without_leader_worker_set_the_engine_says_what_to_install() -> None:
+    message = "install LeaderWorkerSet"
+    found = status.derive(over_pods(), None, now=T0, unserved=message, problems=[])
+    assert (condition(found, "Degraded")["status"], condition(found, "Degraded")["reason"]) == \
+        ("True", "LeaderWorkerSetMissing")
+    assert condition(found, "Degraded")["message"] == condition(found, "Ready")["message"] == message
+    assert found["phase"] == "Pending"

@@ -10,6 +10,7 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
+import leader_worker_set_schema
 import prometheus_operator_schemas
 from crd_validation import REPO, errors, with_defaults
 from helm_cli import CHART
@@ -35,9 +36,12 @@ KUBERNETES_VERSION = oldest_kubernetes()
 def validate(manifest: dict[str, Any]) -> None:
     """Fail unless the API server would accept `manifest`: built-in kinds against the Kubernetes
     schemas (strict: unknown fields are errors), InferenceEngines against the CRD's own schema
-    and CEL rules, the Prometheus Operator's kinds against its schemas."""
+    and CEL rules, the Prometheus Operator's kinds against its schemas, LeaderWorkerSets against
+    theirs."""
     if manifest["apiVersion"].startswith("kvpilot.dev/"):
         assert errors(with_defaults(manifest)) == [], manifest["metadata"]["name"]
+    elif manifest["apiVersion"].startswith("leaderworkerset.x-k8s.io/"):
+        leader_worker_set_schema.validate(manifest, KUBERNETES_VERSION)
     elif manifest["apiVersion"].startswith("monitoring.coreos.com/"):
         assert prometheus_operator_schemas.errors([manifest]) == [[]], manifest["metadata"]["name"]
     else:

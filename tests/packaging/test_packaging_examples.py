@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from crd_validation import REPO, engine_schema, with_defaults
-from kvpilot.operator import naming
+from kvpilot.operator import naming, render_lws
 from operator_harness import CHILDREN, Cluster, cluster, eventually, operator, run
 from packaging_support import validate, yaml_documents
 
@@ -63,8 +63,9 @@ def test_the_operator_writes_valid_objects_for_every_example(path: Path, tmp_pat
     assert {doc["kind"] for doc in documents} <= {"Secret", naming.KIND}, "apply the other kinds here too"
 
     async def scenario() -> list[Manifest]:
-        # No ServiceMonitor API: kubernetes-validate has no schema for that kind.
-        async with cluster(tmp_path) as k, operator():
+        # No ServiceMonitor API: kubernetes-validate has no schema for that kind. LeaderWorkerSets,
+        # for the engines over several pods.
+        async with cluster(tmp_path, leader_worker_sets=True) as k, operator():
             for secret in (doc for doc in documents if doc["kind"] == "Secret"):
                 await k.create_secret(secret["metadata"]["name"], stored_data(secret))
             for engine in engines(documents):
@@ -80,13 +81,14 @@ def test_the_operator_writes_valid_objects_for_every_example(path: Path, tmp_pat
         name = engine["metadata"]["name"]
         mine = {(obj["kind"], obj["metadata"]["name"]): obj for obj in written if naming.owner_name(obj) == name}
         router = naming.router_name(name)
-        assert sorted(mine) == [
-            ("ConfigMap", f"{name}-config"), ("ConfigMap", f"{name}-scheduling"), ("Deployment", name),
+        _, kind, workload = render_lws.workload(with_defaults({**engine, "metadata": {"name": name}}))
+        assert sorted(mine) == sorted([
+            ("ConfigMap", f"{name}-config"), ("ConfigMap", f"{name}-scheduling"), (kind, workload),
             ("Deployment", router), ("PodDisruptionBudget", name), ("PodDisruptionBudget", router),
             ("Role", router), ("RoleBinding", router), ("Secret", f"{name}-admin-token"),
             ("Secret", f"{name}-cache-salt"), ("Secret", f"{name}-tenant-keys"), ("Service", name),
             ("Service", f"{name}-engines"), ("ServiceAccount", router),
-        ], "every example runs with its routers (the default)"
+        ]), "every example runs with its routers (the default)"
         keyed = {t["name"] for t in engine["spec"].get("scheduling", {}).get("tenants", []) if "apiKeySecretRef" in t}
         assert set(mine["Secret", f"{name}-tenant-keys"].get("data", {})) == keyed, "every tenant's key was found in its Secret"
     for obj in written:
