@@ -156,4 +156,5 @@ def test_the_multinode_example_runs_one_engine_over_two_pods(monkeypatch: pytest
     assert engine_container(leader)["resources"]["limits"][render.GPU_RESOURCE] == 4
     for template, index in ((leader, 0), (worker, 1)):
         args = parsed(monkeypatch, template, worker_index=index)
-        assert (args.nnodes, args.node_rank, args.tensor_parallel_size, args.distributed_timeout) == (2, index, 8, 120)
+        assert (args.nnodes, args.node_rank, args.tensor_parallel_size, args.pipeline_parallel_size,
+                args.distributed_timeout) == (2, index, 4, 2, 120)
