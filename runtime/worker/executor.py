@@ -252,6 +252,10 @@ def start_workers(config: EngineConfig, device_type: str, rendezvous_dir: str, p
 def run_headless(config: EngineConfig, device_type: str) -> int:
     """`kvpilot serve --headless`: this host's ranks of a multi-host engine, until host 0 stops them
     (0) or one of them fails (1, having said why)."""
+    # A group's pods are all sent SIGTERM at once: leaving then would fail host 0's steps while it
+    # drains its requests. Host 0's stop (or its loss) ends the ranks, and this host with them.
+    signal.signal(signal.SIGTERM, lambda signum, frame: logger.info(
+        "SIGTERM: this host's ranks stop when node 0 stops the engine"))
     workers, _ = start_workers(config, device_type, rendezvous_dir="", piped=lambda rank: False)
     for worker in workers:
         worker.join()

@@ -6,6 +6,7 @@ a second process on this one, or in a network namespace of its own."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -80,6 +81,22 @@ def test_a_host_that_dies_fails_the_engine_naming_it(tiny_llama_dir: Path, tenso
         second.wait()
         with pytest.raises(RuntimeError, match="TP worker 1 failed|lost a rank on another host"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    finally:
+        second.kill()
+
+
+def test_a_headless_host_told_to_stop_serves_until_host_0_stops(tiny_llama_dir: Path) -> None:
+    """Kubernetes sends SIGTERM to every pod of a group at once; the leader drains its requests
+    meanwhile, which needs the other hosts' ranks."""
+    port = free_port()
+    second = headless(tiny_llama_dir, port)
+    try:
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout=20)
+        second.send_signal(signal.SIGTERM)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert len(llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids) == 8
+        llm.engine.shutdown()
+        assert second.wait(timeout=30) == 0, second.stderr.read()
     finally:
         second.kill()
 
