@@ -25,9 +25,11 @@ import datetime
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -306,15 +308,20 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
         started = WorkerReply()
     except Exception as exc:  # noqa: BLE001 - reported to the executor, which fails the engine
         runner, started = None, WorkerReply(error=f"{type(exc).__name__}: {exc}")
+    replies = _Replies(pipe, control, encoder)
     try:
-        _reply(started, pipe, control, encoder)
+        replies.deliver(started)
         if runner is not None:
-            _serve(runner, rank, pipe, control, encoder, gives_output=rank == hosts.output_rank(parallel))
+            replies.start()
+            try:
+                _serve(runner, rank, pipe, control, encoder, replies.send,
+                       gives_output=rank == hosts.output_rank(parallel))
+            finally:
+                replies.stop()
     except RuntimeError as exc:  # a collective of the control group failed: a host is gone
         if pipe is None:
             raise
-        # Told, the executor stops the engine; the exit code would only hide the message.
-        pipe.send_bytes(encoder.encode([WorkerReply(error=f"lost a rank on another host: {exc}")]))
+        replies.fail(exc)
         return
     finally:
         if torch.distributed.is_initialized():
@@ -325,7 +332,7 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
 
 
 def _serve(runner: ModelRunner, rank: int, pipe: Connection | None, control: hosts.ControlGroup | None,
-           encoder: msgspec.msgpack.Encoder, gives_output: bool) -> None:
+           encoder: msgspec.msgpack.Encoder, reply_with: Callable[[WorkerReply], None], gives_output: bool) -> None:
     """The calls, one at a time, until the executor closes the pipe (or rank 0 relays that it did)."""
     decoders = {name: msgspec.msgpack.Decoder(kind) if kind else None for name, kind in _ARGUMENT_TYPES.items()}
     calls = msgspec.msgpack.Decoder(_Call)
@@ -352,15 +359,59 @@ def _serve(runner: ModelRunner, rank: int, pipe: Connection | None, control: hos
         except Exception as exc:  # noqa: BLE001 - the executor turns it into an engine failure
             logger.error("TP worker %d failed in %s:\n%s", rank, method, traceback.format_exc())
             reply = WorkerReply(error=f"{type(exc).__name__}: {exc}")
-        _reply(reply, pipe, control, encoder)
+        reply_with(reply)
 
 
-def _reply(reply: WorkerReply, pipe: Connection | None, control: hosts.ControlGroup | None,
-           encoder: msgspec.msgpack.Encoder) -> None:
-    """To the executor: this rank's reply, or on rank 0 across hosts, every rank's in rank order."""
-    replies = [reply]
-    if control is not None:
-        gathered = control.gather(encoder.encode(reply))
-        replies = [msgspec.msgpack.decode(answer, type=WorkerReply) for answer in gathered]
-    if pipe is not None:
-        pipe.send_bytes(encoder.encode(replies))
+class _Replies:
+    """A rank's replies on their way to the executor: straight down its pipe on one host. Across
+    hosts, every rank's reply to a call goes to rank 0, which hands the executor all of them in
+    rank order; rank 0 gathers them on a thread of its own, so that it starts the next call while a
+    later pipeline stage is still running this one."""
+
+    def __init__(self, pipe: Connection | None, control: hosts.ControlGroup | None,
+                 encoder: msgspec.msgpack.Encoder) -> None:
+        self._pipe, self._control, self._encoder = pipe, control, encoder
+        self._queue: queue.SimpleQueue[WorkerReply | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._pipe is not None and self._control is not None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._relay, name="kvpilot-replies", daemon=True)
+            self._thread.start()
+
+    def send(self, reply: WorkerReply) -> None:
+        if self._queue is None:
+            self.deliver(reply)
+        else:
+            self._queue.put(reply)
+
+    def stop(self) -> None:
+        """Once every reply sent is delivered (or the relay has failed)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def deliver(self, reply: WorkerReply) -> None:
+        replies = [reply]
+        if self._control is not None:
+            gathered = self._control.gather(self._encoder.encode(reply))
+            replies = [msgspec.msgpack.decode(answer, type=WorkerReply) for answer in gathered]
+        if self._pipe is not None:
+            self._pipe.send_bytes(self._encoder.encode(replies))
+
+    def fail(self, error: RuntimeError) -> None:
+        """Tells the executor that a host is gone, which stops the engine; the exit code would only
+        hide the message. Nothing to tell once the executor has hung up."""
+        try:
+            self._pipe.send_bytes(self._encoder.encode([WorkerReply(error=f"lost a rank on another host: {error}")]))
+        except OSError:
+            pass
+
+    def _relay(self) -> None:
+        while (reply := self._queue.get()) is not None:
+            try:
+                self.deliver(reply)
+            except RuntimeError as exc:  # a host is gone: the calls after this one fail too
+                self.fail(exc)
+                return

@@ -8,8 +8,9 @@ torch.distributed group: through a file on one host, through host 0's --master-a
 
 On one host the executor has a pipe to every rank. Across hosts it has a pipe to rank 0 alone,
 which relays: it broadcasts each call to the other ranks over a gloo group of its own (the
-control group: gloo on CPUs and GPUs alike, next to NCCL's data group on GPUs), runs it, gathers
-their replies and hands the executor all of them. Calls and replies travel as msgpack bytes in
+control group: gloo on CPUs and GPUs alike, next to NCCL's data group on GPUs), runs it, and
+gathers their replies on a thread, handing the executor all of them while it runs the next call
+(pipeline stages on other hosts may still be running this one). Calls and replies travel as msgpack bytes in
 uint8 tensors, as over the pipes: nothing is pickled.
 
 A host that goes away (its process killed, its network cut) fails the next collective that
@@ -55,6 +56,8 @@ class ControlGroup:
 
     def __init__(self, timeout_s: float) -> None:
         # Every rank makes both groups, in the same order (torch.distributed's rule for new_group).
+        # Calls and replies each have their own: rank 0 gathers a call's replies on a thread while
+        # it broadcasts the next call.
         self._calls = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._replies = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._rank = dist.get_rank()
@@ -65,7 +68,7 @@ class ControlGroup:
         length = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(length, src=0, group=self._calls)
         buffer = _tensor(data) if self._rank == 0 else torch.empty(int(length), dtype=torch.uint8)
-        dist.broadcast(buffer, src=0, group=self._replies)
+        dist.broadcast(buffer, src=0, group=self._calls)
         return data if self._rank == 0 else buffer.numpy().tobytes()
 
     def gather(self, data: bytes) -> list[bytes]:
