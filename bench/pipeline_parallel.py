@@ -23,6 +23,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,11 +32,15 @@ import torch
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.argtypes import positive_int
 from kvpilot.runtime.benchmarks import netns
-from kvpilot.runtime.benchmarks.bench_model import DESCRIPTION, bench_model_dir
 from kvpilot.runtime.benchmarks.report import BenchReport, best_and_median, interleaved, markdown_table
 from kvpilot.runtime.config import EngineArgs
+from kvpilot.runtime.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# Larger than the shared bench model: a step long enough (~20 ms on one core) that the ranks'
+# handing on, not Python, is what the layouts add.
+MODEL_SHAPE = dict(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4, vocab_size=2048)
+DESCRIPTION = "an 8-layer, hidden-1024 llama (16 heads over 4 KV heads, vocab 2048, random weights, float32)"
 PROMPT_LEN = 8
 FLOAT32_BYTES, TOKEN_ID_BYTES = 4, 8
 LAYOUTS = {
@@ -140,7 +145,7 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench/results/pipeline_parallel")
     args = parser.parse_args()
     report = BenchReport(__file__, args.output_dir, None, ROOT)
-    model = args.model or bench_model_dir()
+    model = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-pp-"), **MODEL_SHAPE))
 
     samples = step_times(model, args.batches, args.new_tokens, args.repetitions)
     medians = {name: best_and_median(values)[1] for name, values in samples.items()}
