@@ -123,7 +123,7 @@ def test_a_step_that_replicas_on_their_way_will_drain_does_not_double_the_fleet(
     names = [f"p{i}" for i in range(10)]
     before = {pod: samples.PodSample(pod, 0.3, 5, 200, 0.0, 1000) for pod in names}
     now = {pod: samples.PodSample(pod, 0.3, 35, 200, 15.0, 1420) for pod in names}
-    memory = autoscaler.Memory(before, backlog_finished=420, backlog_seconds=15, startup_seconds=60)
+    memory = autoscaler.Memory(before, saturated_finished=420, saturated_seconds=15, startup_seconds=60)
     decision = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(now), (), 15.0, memory)
     assert decision.load.backlog == 1500 and decision.replicas == 12
     # The next interval, the queues still growing: the two replicas on their way since t=15 are
@@ -159,7 +159,7 @@ def test_a_replicas_start_up_time_is_learnt_from_the_pods_seen_starting() -> Non
     assert autoscaler.Memory().startup == autoscaler.STARTUP_SECONDS
     # A wake from zero is a start too; at zero, what was learnt (start-up, capacity) is kept.
     to_zero = dataclasses.replace(POLICY, min_replicas=0)
-    asleep = dataclasses.replace(ready.memory, backlog_finished=420, backlog_seconds=15)
+    asleep = dataclasses.replace(ready.memory, saturated_finished=420, saturated_seconds=15)
     woken = autoscaler.decide(to_zero, 0, [], 0, samples.Reading(), (), 600.0, asleep, held=3.0)
     assert woken.replicas == 1 and woken.memory.on_way_since == (600.0,)
     assert (woken.memory.startup_seconds, woken.memory.capacity) == (90, 28)
@@ -173,19 +173,19 @@ def test_a_replicas_capacity_is_measured_over_every_backlog_not_the_last_interva
     # the next none, the next 9. The capacity is the totals' ratio, 15 in 45 s, not the last 9/15.
     memory = autoscaler.Memory({"p0": sampled(0, 500, 0)})
     stalled = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(15, 500, 0)}), (), 15.0, memory)
-    assert stalled.memory.backlog_seconds == 15 and stalled.memory.capacity is None  # nothing finished yet
+    assert stalled.memory.saturated_seconds == 15 and stalled.memory.capacity is None  # nothing finished yet
     for now, finished in ((15, 6), (30, 6), (45, 15)):
         reading = samples.Reading({"p0": sampled(now, 500, finished)})
         memory = autoscaler.decide(WIDE, 1, ["p0"], 0, reading, (), float(now), memory).memory
-    assert memory.backlog_seconds == 45 and math.isclose(memory.capacity, 15 / 45)
+    assert memory.saturated_seconds == 45 and math.isclose(memory.capacity, 15 / 45)
     # An interval without a backlog (its queue at the target) measures nothing.
     calm = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(60, 0, 40)}), (), 60.0, memory)
     assert calm.memory.capacity == memory.capacity
     # Beyond the window the old work shrinks in proportion, so a changed workload takes over.
-    full = autoscaler.Memory({"p0": sampled(0, 500, 0)}, backlog_finished=3600,
-                             backlog_seconds=autoscaler.CAPACITY_WINDOW_SECONDS)
+    full = autoscaler.Memory({"p0": sampled(0, 500, 0)}, saturated_finished=3600,
+                             saturated_seconds=autoscaler.CAPACITY_WINDOW_SECONDS)
     after = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(360, 500, 36)}), (), 360.0, full)
-    assert after.memory.backlog_seconds == autoscaler.CAPACITY_WINDOW_SECONDS
+    assert after.memory.saturated_seconds == autoscaler.CAPACITY_WINDOW_SECONDS
     assert math.isclose(after.memory.capacity, (3600 + 36) / (autoscaler.CAPACITY_WINDOW_SECONDS + 360))
 
 
