@@ -189,6 +189,70 @@ def test_a_replicas_capacity_is_measured_over_every_backlog_not_the_last_interva
     assert math.isclose(after.memory.capacity, (3600 + 36) / (autoscaler.CAPACITY_WINDOW_SECONDS + 360))
 
 
+def pod_at(t: float, kv: float, running: float, finished: float, waiting: float = 0) -> samples.PodSample:
+    return samples.PodSample("p0", kv, waiting, running, t, finished)
+
+
+def after_one_interval(before: samples.PodSample, now: samples.PodSample, memory: autoscaler.Memory | None = None,
+                       *, replicas: int = 1) -> autoscaler.Decision:
+    """decide() on pod p0 at `now`, its last reading `before` (with the rest of `memory`)."""
+    memory = dataclasses.replace(memory or autoscaler.Memory(), pods={"p0": before})
+    return autoscaler.decide(WIDE, replicas, ["p0"], 0, samples.Reading({"p0": now}), (), now.observed_at, memory)
+
+
+def test_a_replica_at_its_kv_target_measures_capacity_unless_its_cache_is_full_or_filling() -> None:
+    # No queue, KV steady at 0.55 (target 0.5): the 6 finished in 15 s are what it does there.
+    steady = after_one_interval(pod_at(0, 0.55, 100, 0), pod_at(15, 0.56, 100, 6))
+    assert steady.memory.saturated_seconds == 15 and math.isclose(steady.memory.capacity, 6 / 15)
+    # Below the target, nothing: the replica could do more than it shows.
+    assert after_one_interval(pod_at(0, 0.4, 100, 0), pod_at(15, 0.4, 100, 6)).memory.saturated_seconds == 0
+    # Filling (0.3 -> 0.55): what it finishes was taken in at a lighter load. Full (0.96), even
+    # with a queue: it preempts. Neither changes what was learnt.
+    learnt = autoscaler.Memory(saturated_finished=40, saturated_seconds=100)
+    for before, now in [(pod_at(0, 0.3, 100, 0), pod_at(15, 0.55, 160, 1)),
+                        (pod_at(0, 0.96, 200, 0, 30), pod_at(15, 0.96, 200, 1, 40))]:
+        kept = after_one_interval(before, now, learnt).memory
+        assert (kept.saturated_finished, kept.saturated_seconds) == (40, 100)
+
+
+def test_arrivals_admitted_into_running_count_even_where_nothing_finished() -> None:
+    # Long requests, a replica with room: 30 more running, none waiting, none finished in 15 s.
+    # 2 a second arrive; at a capacity of 0.4 a replica that is 5 replicas' worth.
+    learnt = autoscaler.Memory(saturated_finished=40, saturated_seconds=100)
+    decision = after_one_interval(pod_at(0, 0.2, 50, 10), pod_at(15, 0.3, 80, 10), learnt)
+    assert decision.load.arrival_rate == 2 and math.isclose(decision.load.capacity_replicas, 5)
+    assert decision.replicas == 5
+
+
+def test_arrivals_are_the_mean_of_the_last_two_intervals() -> None:
+    # 14 a second this interval, 10 the one before: a burst of one interval counts half.
+    learnt = autoscaler.Memory(saturated_finished=40, saturated_seconds=100, arrival_rate=10)
+    decision = after_one_interval(pod_at(0, 0.2, 50, 0), pod_at(15, 0.2, 50, 210), learnt)
+    assert decision.load.arrival_rate == 12 and decision.memory.arrival_rate == 14
+    # Without the one before (a first reading), this interval alone.
+    first = after_one_interval(pod_at(0, 0.2, 50, 0), pod_at(15, 0.2, 50, 210),
+                               dataclasses.replace(learnt, arrival_rate=None))
+    assert first.load.arrival_rate == 14
+
+
+def test_a_step_that_fits_in_the_free_kv_of_ready_replicas_asks_for_no_backlog() -> None:
+    # 10 replicas of long requests, each running 100 at KV 0.4 without a queue, capacity 0.4 a
+    # second: 10 a second arrive (each finished 1.5 and runs 13.5 more). Before a replica asked for
+    # now is ready (in 60 s), 600 arrive; the ready ones admit 1,500 more at their footprint
+    # (10 x 100 x 0.6 / 0.4): no backlog, and 10 / 0.4 = 25 replicas, where the 600 read as a
+    # backlog drained over 60 s would add 25 more.
+    names = [f"p{i}" for i in range(10)]
+    before = {pod: samples.PodSample(pod, 0.35, 0, 86.5, 0.0, 1000) for pod in names}
+    now = {pod: samples.PodSample(pod, 0.4, 0, 100, 15.0, 1001.5) for pod in names}
+    memory = autoscaler.Memory(before, saturated_finished=40, saturated_seconds=100, startup_seconds=60)
+    decision = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(now), (), 15.0, memory)
+    assert decision.load.arrival_rate == 10 and decision.load.backlog == 0 and decision.replicas == 25
+    # The same replicas with their KV caches nearly full admit 75 between them, and the rest waits.
+    full = {pod: samples.PodSample(pod, 0.93, 0, 100, 15.0, 1001.5) for pod in names}
+    crowded = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(full), (), 15.0, memory)
+    assert crowded.load.backlog > 0 and crowded.replicas > 25
+
+
 def test_without_a_completion_rate_a_backlog_is_read_in_batches() -> None:
     # No previous reading, no counter, nothing finished, a counter that went back (a restart):
     # the 995 beyond the target are 995/256 batches of what the pod runs: 1 + 995/256 -> 5.
