@@ -115,22 +115,28 @@ def test_arrivals_over_capacity_plus_the_backlog_new_replicas_can_still_help() -
     assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
 
 
+TEN = [f"p{i}" for i in range(10)]
+
+
+def ten(t: float, kv: float, waiting: float, running: float, finished: float) -> dict[str, samples.PodSample]:
+    """Ten pods p0..p9 alike."""
+    return {pod: samples.PodSample(pod, kv, waiting, running, t, finished) for pod in TEN}
+
+
 def test_a_step_that_replicas_on_their_way_will_drain_does_not_double_the_fleet() -> None:
     # 10 replicas complete 28/s each (their capacity) while 30/s each arrive (their queues grow by
     # 2/s): a step of 7 %. A replica starts in 60 s. The 300 waiting beyond the targets and the
     # 20/s short for that minute are 1500 requests, drained in 60 s by (300 + 1500 / 60) / 28 =
     # 11.6 replicas: 12, not the 20 of a doubling, nor the 70 of the queue read as a rate.
-    names = [f"p{i}" for i in range(10)]
-    before = {pod: samples.PodSample(pod, 0.3, 5, 200, 0.0, 1000) for pod in names}
-    now = {pod: samples.PodSample(pod, 0.3, 35, 200, 15.0, 1420) for pod in names}
-    memory = autoscaler.Memory(before, saturated_finished=420, saturated_seconds=15, startup_seconds=60)
-    decision = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(now), (), 15.0, memory)
+    memory = autoscaler.Memory(ten(0.0, 0.3, 5, 200, 1000), saturated_finished=420, saturated_seconds=15,
+                               startup_seconds=60)
+    decision = autoscaler.decide(WIDE, 10, TEN, 0, samples.Reading(ten(15.0, 0.3, 35, 200, 1420)), (), 15.0, memory)
     assert decision.load.backlog == 1500 and decision.replicas == 12
     # The next interval, the queues still growing: the two replicas on their way since t=15 are
     # ready at t=75, 15 s before one asked for now would be. 600 waiting + 60 s x 20/s short -
     # 2 x 15 s x 28/s = 960 left, (300 + 960 / 60) / 28 = 11.3 replicas: no more than the 12.
-    later = {pod: samples.PodSample(pod, 0.3, 65, 200, 30.0, 1840) for pod in names}
-    again = autoscaler.decide(WIDE, 12, names, 2, samples.Reading(later), decision.history, 30.0, decision.memory)
+    later = samples.Reading(ten(30.0, 0.3, 65, 200, 1840))
+    again = autoscaler.decide(WIDE, 12, TEN, 2, later, decision.history, 30.0, decision.memory)
     assert again.memory.on_way_since == (15.0, 15.0) and again.load.backlog == 960 and again.replicas == 12
 
 
@@ -241,15 +247,13 @@ def test_a_step_that_fits_in_the_free_kv_of_ready_replicas_asks_for_no_backlog()
     # now is ready (in 60 s), 600 arrive; the ready ones admit 1,500 more at their footprint
     # (10 x 100 x 0.6 / 0.4): no backlog, and 10 / 0.4 = 25 replicas, where the 600 read as a
     # backlog drained over 60 s would add 25 more.
-    names = [f"p{i}" for i in range(10)]
-    before = {pod: samples.PodSample(pod, 0.35, 0, 86.5, 0.0, 1000) for pod in names}
-    now = {pod: samples.PodSample(pod, 0.4, 0, 100, 15.0, 1001.5) for pod in names}
-    memory = autoscaler.Memory(before, saturated_finished=40, saturated_seconds=100, startup_seconds=60)
-    decision = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(now), (), 15.0, memory)
+    memory = autoscaler.Memory(ten(0.0, 0.35, 0, 86.5, 1000), saturated_finished=40, saturated_seconds=100,
+                               startup_seconds=60)
+    decision = autoscaler.decide(WIDE, 10, TEN, 0, samples.Reading(ten(15.0, 0.4, 0, 100, 1001.5)), (), 15.0, memory)
     assert decision.load.arrival_rate == 10 and decision.load.backlog == 0 and decision.replicas == 25
     # The same replicas with their KV caches nearly full admit 75 between them, and the rest waits.
-    full = {pod: samples.PodSample(pod, 0.93, 0, 100, 15.0, 1001.5) for pod in names}
-    crowded = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(full), (), 15.0, memory)
+    full = samples.Reading(ten(15.0, 0.93, 0, 100, 1001.5))
+    crowded = autoscaler.decide(WIDE, 10, TEN, 0, full, (), 15.0, memory)
     assert crowded.load.backlog > 0 and crowded.replicas > 25
 
 
