@@ -75,12 +75,12 @@ STARTUP_WEIGHT = 0.5
 CAPACITY_WINDOW_SECONDS = 3600.0
 # Readings that say nothing of a replica's capacity although it is saturated. A KV cache this
 # full preempts (the engine recomputes what it evicts), so the replica finishes less than it does
-# at its target. A KV cache that grew by more than KV_FILLING in an interval belongs to a replica
-# still filling up: the requests it finishes were taken in before, at a lighter load, and a long
-# request admitted now finishes minutes later (0.17 requests/s a replica at a flash crowd's first
-# backlog, where the replica sustains 0.48).
+# at its target. A KV cache growing faster than KV_FILLING_PER_SECOND (a fifth of the cache a
+# minute) belongs to a replica still filling up: the requests it finishes were taken in before,
+# at a lighter load, and a long request admitted now finishes minutes later (0.17 requests/s a
+# replica at a flash crowd's first backlog, where the replica sustains 0.48).
 KV_FULL = 0.95
-KV_FILLING = 0.05
+KV_FILLING_PER_SECOND = 0.2 / 60
 # The latencies' percentile read against autoscaling.targets: p90, not p99. A replica serves tens
 # of requests per interval; their p99 is their maximum, one slow request, while their p90 moves
 # with the queueing that more replicas cure.
@@ -363,17 +363,20 @@ def _saturated_work(policy: Policy, used: Mapping[str, samples.PodSample], memor
     """Memory's (finished, replica-seconds) while saturated, with what each saturated pod did
     since its last reading; beyond the window both shrink in proportion, which forgets the oldest.
     A pod is saturated when it queues beyond targetQueueDepth or its KV cache is at
-    targetKVCacheUsage or above, unless its KV cache is full or filling up (KV_FULL, KV_FILLING)."""
+    targetKVCacheUsage or above, unless its KV cache is full or filling up (KV_FULL,
+    KV_FILLING_PER_SECOND)."""
     finished, seconds = memory.saturated_finished, memory.saturated_seconds
     for pod, sample in used.items():
         before = memory.pods.get(pod)
         progress = _progress(sample, before)
         if progress is None:
             continue
+        elapsed, done = progress
         kv = sample.kv_cache_usage
         saturated = sample.num_waiting > policy.target_queue_depth or kv >= policy.target_kv_cache_usage
-        if saturated and kv < KV_FULL and kv - before.kv_cache_usage <= KV_FILLING:
-            finished, seconds = finished + progress[1], seconds + progress[0]
+        filling = kv - before.kv_cache_usage > KV_FILLING_PER_SECOND * elapsed
+        if saturated and kv < KV_FULL and not filling:
+            finished, seconds = finished + done, seconds + elapsed
     if seconds > CAPACITY_WINDOW_SECONDS:
         finished, seconds = finished * CAPACITY_WINDOW_SECONDS / seconds, CAPACITY_WINDOW_SECONDS
     return finished, seconds
