@@ -4,14 +4,16 @@ reading, a replica's capacity and how long a replica takes to start) goes in and
 value.
 
 What the load needs, in replicas, is the larger of two counts:
-- Capacity: the fleet's arrivals over what a replica completes per second (its capacity,
-  measured while replicas had a backlog: Memory.capacity), plus the backlog drained within
-  backlogDrainSeconds. The backlog counted is the one the fleet will hold when a replica asked
-  for now is ready: what waits beyond targetQueueDepth per replica and what the routers hold,
-  plus what arrives meanwhile beyond what the replicas ready and starting complete (each
-  starting one from its expected ready time, learnt from the pods seen starting: Memory.startup).
-  New replicas are asked only for what they can drain once ready, so a backlog that the
-  replicas on their way will absorb asks for none; there is no fixed x2-or-+4 step.
+- Capacity: the fleet's arrivals (what the replicas finished plus the growth of what they run
+  and queue, averaged over the last two intervals) over what a replica completes per second
+  (its capacity, measured while replicas were saturated: Memory.capacity), plus the backlog
+  drained within backlogDrainSeconds. The backlog counted is the one the fleet will hold when a
+  replica asked for now is ready: what waits beyond targetQueueDepth per replica and what the
+  routers hold, plus what arrives meanwhile beyond what the replicas ready admit into their
+  free KV cache and complete, and the starting ones complete (each from its expected ready
+  time, learnt from the pods seen starting: Memory.startup). New replicas are asked only for
+  what they can drain once ready, so a backlog that the replicas ready or on their way will
+  absorb asks for none; there is no fixed x2-or-+4 step.
 - Pressure: ready x the mean over ready replicas of the largest of KV / targetKVCacheUsage, the
   queue (waiting / targetQueueDepth, at most 1 where the capacity count sees the backlog; before a
   capacity is known the excess is read in batches of what the replica runs), and, with
@@ -68,9 +70,17 @@ BACKLOG_DRAIN_SECONDS = 60.0
 STARTUP_SECONDS = 120.0
 # The weight of the latest start in Memory.startup: one slow node does not set it.
 STARTUP_WEIGHT = 0.5
-# The replica-seconds of backlog a replica's capacity is measured over (Memory.capacity): an
+# The replica-seconds of saturation a replica's capacity is measured over (Memory.capacity): an
 # hour of one replica's, or a few minutes of a fleet's; older ones weigh less.
 CAPACITY_WINDOW_SECONDS = 3600.0
+# Readings that say nothing of a replica's capacity although it is saturated. A KV cache this
+# full preempts (the engine recomputes what it evicts), so the replica finishes less than it does
+# at its target. A KV cache growing faster than KV_FILLING_PER_SECOND (a fifth of the cache a
+# minute) belongs to a replica still filling up: the requests it finishes were taken in before,
+# at a lighter load, and a long request admitted now finishes minutes later (0.17 requests/s a
+# replica at a flash crowd's first backlog, where the replica sustains 0.48).
+KV_FULL = 0.95
+KV_FILLING_PER_SECOND = 0.2 / 60
 # The latencies' percentile read against autoscaling.targets: p90, not p99. A replica serves tens
 # of requests per interval; their p99 is their maximum, one slow request, while their p90 moves
 # with the queueing that more replicas cure.
@@ -177,27 +187,29 @@ class Decision:
 @dataclass(frozen=True)
 class Memory:
     """What one reading leaves for the next: the pods' samples, for their rates since; the
-    requests replicas finished while they had a backlog and the replica-seconds that took (see
+    requests replicas finished while they were saturated and the replica-seconds that took (see
     `capacity`); when the memory began (None: it begins with this reading); since when the
     engine has been idle, without a break (None: it is not); when each replica now on its way
-    was first seen on its way, oldest first; and how long a replica takes to be ready (None:
-    none was seen to start)."""
+    was first seen on its way, oldest first; how long a replica takes to be ready (None: none
+    was seen to start); and the fleet's arrivals per second over the last interval (None:
+    unknown)."""
 
     pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
-    backlog_finished: float = 0.0
-    backlog_seconds: float = 0.0
+    saturated_finished: float = 0.0
+    saturated_seconds: float = 0.0
     since: float | None = None
     idle_since: float | None = None
     on_way_since: tuple[float, ...] = ()
     startup_seconds: float | None = None
+    arrival_rate: float | None = None
 
     @property
     def capacity(self) -> float | None:
-        """What a replica completes per second while it has a backlog; None until one was seen
-        to finish anything. One interval's count is noise for long requests (a replica finishes
-        a few, or none, in 15 s), so it is the ratio of the totals over CAPACITY_WINDOW_SECONDS
-        of backlog."""
-        return self.backlog_finished / self.backlog_seconds if self.backlog_finished > 0 else None
+        """What a replica completes per second while saturated (_saturated_work says which
+        readings count); None until one was seen to finish anything. One interval's count is
+        noise for long requests (a replica finishes a few, or none, in 15 s), so it is the ratio
+        of the totals over CAPACITY_WINDOW_SECONDS of saturation."""
+        return self.saturated_finished / self.saturated_seconds if self.saturated_finished > 0 else None
 
     @property
     def startup(self) -> float:
@@ -240,10 +252,13 @@ def decide(
     idle_since = (now if memory.idle_since is None else memory.idle_since) if idle else None
     on_way = max(starting, replicas - len(ready))
     on_way_since, startup_seconds = _starts(memory, len(ready), on_way, now)
-    before = memory.pods
-    memory = Memory(used, *_backlog_work(policy, used, memory), since=since, idle_since=idle_since,
-                    on_way_since=on_way_since, startup_seconds=startup_seconds)
-    load = _load(policy, used, before, memory, held if isinstance(held, float | int) else 0.0, now)
+    before, last_arrival_rate = memory.pods, memory.arrival_rate
+    rates = _fleet_rates(used, before)
+    memory = Memory(used, *_saturated_work(policy, used, memory), since=since, idle_since=idle_since,
+                    on_way_since=on_way_since, startup_seconds=startup_seconds,
+                    arrival_rate=None if rates is None else rates[1])
+    load = _load(policy, used, before, memory, rates, last_arrival_rate,
+                 held if isinstance(held, float | int) else 0.0, now)
     needed = max(len(ready) * load.saturation, load.capacity_replicas or 0.0)
 
     wanted = replicas if abs(needed - replicas) <= TOLERANCE * replicas else math.ceil(needed - 1e-9)
@@ -344,14 +359,24 @@ def _problem(
     return None
 
 
-def _backlog_work(policy: Policy, used: Mapping[str, samples.PodSample], memory: Memory) -> tuple[float, float]:
-    """Memory's (finished, replica-seconds) under a backlog, with what each pod that has one did
-    since its last reading; beyond the window both shrink in proportion, which forgets the oldest."""
-    finished, seconds = memory.backlog_finished, memory.backlog_seconds
+def _saturated_work(policy: Policy, used: Mapping[str, samples.PodSample], memory: Memory) -> tuple[float, float]:
+    """Memory's (finished, replica-seconds) while saturated, with what each saturated pod did
+    since its last reading; beyond the window both shrink in proportion, which forgets the oldest.
+    A pod is saturated when it queues beyond targetQueueDepth or its KV cache is at
+    targetKVCacheUsage or above, unless its KV cache is full or filling up (KV_FULL,
+    KV_FILLING_PER_SECOND)."""
+    finished, seconds = memory.saturated_finished, memory.saturated_seconds
     for pod, sample in used.items():
-        progress = _progress(sample, memory.pods.get(pod))
-        if sample.num_waiting > policy.target_queue_depth and progress is not None:
-            finished, seconds = finished + progress[1], seconds + progress[0]
+        before = memory.pods.get(pod)
+        progress = _progress(sample, before)
+        if progress is None:
+            continue
+        elapsed, done = progress
+        kv = sample.kv_cache_usage
+        saturated = sample.num_waiting > policy.target_queue_depth or kv >= policy.target_kv_cache_usage
+        filling = kv - before.kv_cache_usage > KV_FILLING_PER_SECOND * elapsed
+        if saturated and kv < KV_FULL and not filling:
+            finished, seconds = finished + done, seconds + elapsed
     if seconds > CAPACITY_WINDOW_SECONDS:
         finished, seconds = finished * CAPACITY_WINDOW_SECONDS / seconds, CAPACITY_WINDOW_SECONDS
     return finished, seconds
@@ -368,14 +393,14 @@ def _progress(sample: samples.PodSample, before: samples.PodSample | None) -> tu
 
 def _rates(sample: samples.PodSample, before: samples.PodSample | None) -> tuple[float, float] | None:
     """(completed, arrived) requests per second at the pod since `before`: from its finished
-    counter, and that plus its queue's growth. None when unknown (see _progress) or when nothing
-    finished."""
+    counter, and that plus the growth of what it runs and queues (a replica with room admits what
+    arrives, and a long request stays minutes). None when unknown (see _progress)."""
     progress = _progress(sample, before)
-    if progress is None or progress[1] == 0:
+    if progress is None:
         return None
     elapsed, done = progress
-    completed = done / elapsed
-    return completed, max(0.0, completed + (sample.num_waiting - before.num_waiting) / elapsed)
+    grown = sample.num_running + sample.num_waiting - before.num_running - before.num_waiting
+    return done / elapsed, max(0.0, (done + grown) / elapsed)
 
 
 def _starts(memory: Memory, ready: int, on_way: int, now: float) -> tuple[tuple[float, ...], float | None]:
@@ -402,22 +427,22 @@ def _fleet_rates(used: Mapping[str, samples.PodSample],
 
 
 def _capacity_replicas(policy: Policy, memory: Memory, ready: int, rates: tuple[float, float], backlog: float,
-                       capacity: float, now: float) -> tuple[float, float]:
+                       room: float, capacity: float, now: float) -> tuple[float, float]:
     """(replicas, backlog then): the replicas that take the arrivals and drain, within
     backlogDrainSeconds (D), the backlog the fleet will hold when a replica asked for now is
     ready, S seconds from now. Only requests that will have waited less than D by then count:
     older ones are served late whatever is added (or given up by their clients), so a replica
     that cannot be ready in time for them is not asked for them. Over the last D seconds before
-    S, the replicas ready complete what they complete now or `capacity` each, whichever is more
-    (replicas that keep up show a capacity the estimate may not have seen yet), and those on
-    their way `capacity` each from their expected ready time."""
+    S, the replicas ready admit `room` requests (_room) and complete what they complete now or
+    `capacity` each, whichever is more (replicas that keep up show a capacity the estimate may
+    not have seen yet), and those on their way `capacity` each from their expected ready time."""
     completed, arrival = rates
     startup, drain = memory.startup, policy.backlog_drain_seconds
     window = min(drain, startup)
     opens = startup - window
     # Each replica on its way is ready `startup` after it was asked for: its time ready in the window.
     arriving = sum(max(0.0, startup - max(opens, startup - (now - began))) for began in memory.on_way_since)
-    taken = max(completed, capacity * ready) * window + capacity * arriving
+    taken = room + max(completed, capacity * ready) * window + capacity * arriving
     later = max(0.0, (backlog if opens == 0 else 0.0) + arrival * window - taken)
     return (arrival + later / drain) / capacity, later
 
@@ -467,9 +492,20 @@ def _queue_term(policy: Policy, sample: samples.PodSample, backlog_counted: bool
     return 1.0 if backlog_counted else 1 + excess / max(sample.num_running, target)
 
 
+def _room(policy: Policy, used: Mapping[str, samples.PodSample]) -> float:
+    """The requests the ready replicas can still admit: the engine admits while its KV cache has
+    free blocks, so a replica without a backlog takes what fits in its free KV at the footprint
+    of the requests it runs now (nothing counted for one that runs none: no footprint to go by)."""
+    return sum(s.num_running * (1 - s.kv_cache_usage) / s.kv_cache_usage for s in used.values()
+               if s.num_waiting <= policy.target_queue_depth and 0 < s.kv_cache_usage < 1)
+
+
 def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping[str, samples.PodSample],
-          memory: Memory, held: float, now: float) -> Load:
-    rates, capacity = _fleet_rates(used, before), memory.capacity
+          memory: Memory, rates: tuple[float, float] | None, last_arrival_rate: float | None, held: float,
+          now: float) -> Load:
+    """The reading's load; `rates` are the fleet's (completed, arrived) per second over this
+    interval, `last_arrival_rate` its arrivals over the one before (None: unknown)."""
+    capacity = memory.capacity
     counted = policy.capacity_sizing and rates is not None and capacity is not None
     saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s, counted),
                        _latency_term(policy, s, before.get(pod)))
@@ -477,9 +513,12 @@ def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping
     values = used.values()
     arrival = replicas = backlog = None
     if counted:
-        arrival = rates[1]
+        # Two intervals' mean: one 15 s count of Poisson arrivals at 10/s is off by 8 % (one
+        # standard deviation), and the count would follow it up and down.
+        arrival = rates[1] if last_arrival_rate is None else (rates[1] + last_arrival_rate) / 2
         waiting = sum(max(0.0, s.num_waiting - policy.target_queue_depth) for s in values) + held
-        replicas, backlog = _capacity_replicas(policy, memory, len(used), rates, waiting, capacity, now)
+        replicas, backlog = _capacity_replicas(policy, memory, len(used), (rates[0], arrival), waiting,
+                                               _room(policy, used), capacity, now)
     return Load(
         kv_cache_usage=sum(s.kv_cache_usage for s in values) / len(used),
         queue_depth=sum(s.num_waiting for s in values) / len(used),

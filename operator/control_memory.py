@@ -2,8 +2,8 @@
 that takes over after a failover, or restarts, decides as the one before would have.
 
 What survives: the autoscaler's recommendations inside its stabilization windows, the start of
-its memory (the first-window guard), its last reading of each pod (for rates), its backlog
-capacity and since when the engine has been idle; the policy tuner's pressured intervals and the
+its memory (the first-window guard), its last reading of each pod (for rates), the capacity it
+measured and since when the engine has been idle; the policy tuner's pressured intervals and the
 start of its calm window.
 
 The rule that makes the handover safe: the intervals missed between the last operator's last
@@ -40,8 +40,8 @@ def encoded_autoscaler(decision: autoscaler.Decision, now: float) -> dict[str, A
         "recommendations": [[t, r] for t, r in decision.history],
         "since": memory.since,
         "idleSince": memory.idle_since,
-        "backlogFinished": memory.backlog_finished,
-        "backlogSeconds": memory.backlog_seconds,
+        "saturatedFinished": memory.saturated_finished,
+        "saturatedSeconds": memory.saturated_seconds,
         "pods": [[s.pod, s.kv_cache_usage, s.num_waiting, s.num_running, s.observed_at, s.num_finished]
                  for s in memory.pods.values()],
     }
@@ -60,7 +60,7 @@ def restored_autoscaler(
         pods = {str(pod): samples.PodSample(str(pod), float(kv), float(waiting), float(running), float(at),
                                             None if finished is None else float(finished))
                 for pod, kv, waiting, running, at, finished in saved["pods"]}
-        memory = autoscaler.Memory(pods, float(saved["backlogFinished"]), float(saved["backlogSeconds"]),
+        memory = autoscaler.Memory(pods, float(saved["saturatedFinished"]), float(saved["saturatedSeconds"]),
                                    _time(saved.get("since")), _time(saved.get("idleSince")))
     except (KeyError, TypeError, ValueError):
         return None

@@ -115,22 +115,28 @@ def test_arrivals_over_capacity_plus_the_backlog_new_replicas_can_still_help() -
     assert decide_after(sampled(0, 1000, 1000), sampled(15, 700, 1420)).replicas == 1
 
 
+TEN = [f"p{i}" for i in range(10)]
+
+
+def ten(t: float, kv: float, waiting: float, running: float, finished: float) -> dict[str, samples.PodSample]:
+    """Ten pods p0..p9 alike."""
+    return {pod: samples.PodSample(pod, kv, waiting, running, t, finished) for pod in TEN}
+
+
 def test_a_step_that_replicas_on_their_way_will_drain_does_not_double_the_fleet() -> None:
     # 10 replicas complete 28/s each (their capacity) while 30/s each arrive (their queues grow by
     # 2/s): a step of 7 %. A replica starts in 60 s. The 300 waiting beyond the targets and the
     # 20/s short for that minute are 1500 requests, drained in 60 s by (300 + 1500 / 60) / 28 =
     # 11.6 replicas: 12, not the 20 of a doubling, nor the 70 of the queue read as a rate.
-    names = [f"p{i}" for i in range(10)]
-    before = {pod: samples.PodSample(pod, 0.3, 5, 200, 0.0, 1000) for pod in names}
-    now = {pod: samples.PodSample(pod, 0.3, 35, 200, 15.0, 1420) for pod in names}
-    memory = autoscaler.Memory(before, backlog_finished=420, backlog_seconds=15, startup_seconds=60)
-    decision = autoscaler.decide(WIDE, 10, names, 0, samples.Reading(now), (), 15.0, memory)
+    memory = autoscaler.Memory(ten(0.0, 0.3, 5, 200, 1000), saturated_finished=420, saturated_seconds=15,
+                               startup_seconds=60)
+    decision = autoscaler.decide(WIDE, 10, TEN, 0, samples.Reading(ten(15.0, 0.3, 35, 200, 1420)), (), 15.0, memory)
     assert decision.load.backlog == 1500 and decision.replicas == 12
     # The next interval, the queues still growing: the two replicas on their way since t=15 are
     # ready at t=75, 15 s before one asked for now would be. 600 waiting + 60 s x 20/s short -
     # 2 x 15 s x 28/s = 960 left, (300 + 960 / 60) / 28 = 11.3 replicas: no more than the 12.
-    later = {pod: samples.PodSample(pod, 0.3, 65, 200, 30.0, 1840) for pod in names}
-    again = autoscaler.decide(WIDE, 12, names, 2, samples.Reading(later), decision.history, 30.0, decision.memory)
+    later = samples.Reading(ten(30.0, 0.3, 65, 200, 1840))
+    again = autoscaler.decide(WIDE, 12, TEN, 2, later, decision.history, 30.0, decision.memory)
     assert again.memory.on_way_since == (15.0, 15.0) and again.load.backlog == 960 and again.replicas == 12
 
 
@@ -159,7 +165,7 @@ def test_a_replicas_start_up_time_is_learnt_from_the_pods_seen_starting() -> Non
     assert autoscaler.Memory().startup == autoscaler.STARTUP_SECONDS
     # A wake from zero is a start too; at zero, what was learnt (start-up, capacity) is kept.
     to_zero = dataclasses.replace(POLICY, min_replicas=0)
-    asleep = dataclasses.replace(ready.memory, backlog_finished=420, backlog_seconds=15)
+    asleep = dataclasses.replace(ready.memory, saturated_finished=420, saturated_seconds=15)
     woken = autoscaler.decide(to_zero, 0, [], 0, samples.Reading(), (), 600.0, asleep, held=3.0)
     assert woken.replicas == 1 and woken.memory.on_way_since == (600.0,)
     assert (woken.memory.startup_seconds, woken.memory.capacity) == (90, 28)
@@ -173,20 +179,82 @@ def test_a_replicas_capacity_is_measured_over_every_backlog_not_the_last_interva
     # the next none, the next 9. The capacity is the totals' ratio, 15 in 45 s, not the last 9/15.
     memory = autoscaler.Memory({"p0": sampled(0, 500, 0)})
     stalled = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(15, 500, 0)}), (), 15.0, memory)
-    assert stalled.memory.backlog_seconds == 15 and stalled.memory.capacity is None  # nothing finished yet
+    assert stalled.memory.saturated_seconds == 15 and stalled.memory.capacity is None  # nothing finished yet
     for now, finished in ((15, 6), (30, 6), (45, 15)):
         reading = samples.Reading({"p0": sampled(now, 500, finished)})
         memory = autoscaler.decide(WIDE, 1, ["p0"], 0, reading, (), float(now), memory).memory
-    assert memory.backlog_seconds == 45 and math.isclose(memory.capacity, 15 / 45)
+    assert memory.saturated_seconds == 45 and math.isclose(memory.capacity, 15 / 45)
     # An interval without a backlog (its queue at the target) measures nothing.
     calm = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(60, 0, 40)}), (), 60.0, memory)
     assert calm.memory.capacity == memory.capacity
     # Beyond the window the old work shrinks in proportion, so a changed workload takes over.
-    full = autoscaler.Memory({"p0": sampled(0, 500, 0)}, backlog_finished=3600,
-                             backlog_seconds=autoscaler.CAPACITY_WINDOW_SECONDS)
+    full = autoscaler.Memory({"p0": sampled(0, 500, 0)}, saturated_finished=3600,
+                             saturated_seconds=autoscaler.CAPACITY_WINDOW_SECONDS)
     after = autoscaler.decide(WIDE, 1, ["p0"], 0, samples.Reading({"p0": sampled(360, 500, 36)}), (), 360.0, full)
-    assert after.memory.backlog_seconds == autoscaler.CAPACITY_WINDOW_SECONDS
+    assert after.memory.saturated_seconds == autoscaler.CAPACITY_WINDOW_SECONDS
     assert math.isclose(after.memory.capacity, (3600 + 36) / (autoscaler.CAPACITY_WINDOW_SECONDS + 360))
+
+
+def pod_at(t: float, kv: float, running: float, finished: float, waiting: float = 0) -> samples.PodSample:
+    return samples.PodSample("p0", kv, waiting, running, t, finished)
+
+
+def after_one_interval(before: samples.PodSample, now: samples.PodSample, memory: autoscaler.Memory | None = None,
+                       *, replicas: int = 1) -> autoscaler.Decision:
+    """decide() on pod p0 at `now`, its last reading `before` (with the rest of `memory`)."""
+    memory = dataclasses.replace(memory or autoscaler.Memory(), pods={"p0": before})
+    return autoscaler.decide(WIDE, replicas, ["p0"], 0, samples.Reading({"p0": now}), (), now.observed_at, memory)
+
+
+def test_a_replica_at_its_kv_target_measures_capacity_unless_its_cache_is_full_or_filling() -> None:
+    # No queue, KV steady at 0.55 (target 0.5): the 6 finished in 15 s are what it does there.
+    steady = after_one_interval(pod_at(0, 0.55, 100, 0), pod_at(15, 0.56, 100, 6))
+    assert steady.memory.saturated_seconds == 15 and math.isclose(steady.memory.capacity, 6 / 15)
+    # Below the target, nothing: the replica could do more than it shows.
+    assert after_one_interval(pod_at(0, 0.4, 100, 0), pod_at(15, 0.4, 100, 6)).memory.saturated_seconds == 0
+    # Filling (0.3 -> 0.55): what it finishes was taken in at a lighter load. Full (0.96), even
+    # with a queue: it preempts. Neither changes what was learnt.
+    learnt = autoscaler.Memory(saturated_finished=40, saturated_seconds=100)
+    for before, now in [(pod_at(0, 0.3, 100, 0), pod_at(15, 0.55, 160, 1)),
+                        (pod_at(0, 0.96, 200, 0, 30), pod_at(15, 0.96, 200, 1, 40))]:
+        kept = after_one_interval(before, now, learnt).memory
+        assert (kept.saturated_finished, kept.saturated_seconds) == (40, 100)
+
+
+def test_arrivals_admitted_into_running_count_even_where_nothing_finished() -> None:
+    # Long requests, a replica with room: 30 more running, none waiting, none finished in 15 s.
+    # 2 a second arrive; at a capacity of 0.4 a replica that is 5 replicas' worth.
+    learnt = autoscaler.Memory(saturated_finished=40, saturated_seconds=100)
+    decision = after_one_interval(pod_at(0, 0.2, 50, 10), pod_at(15, 0.3, 80, 10), learnt)
+    assert decision.load.arrival_rate == 2 and math.isclose(decision.load.capacity_replicas, 5)
+    assert decision.replicas == 5
+
+
+def test_arrivals_are_the_mean_of_the_last_two_intervals() -> None:
+    # 14 a second this interval, 10 the one before: a burst of one interval counts half.
+    learnt = autoscaler.Memory(saturated_finished=40, saturated_seconds=100, arrival_rate=10)
+    decision = after_one_interval(pod_at(0, 0.2, 50, 0), pod_at(15, 0.2, 50, 210), learnt)
+    assert decision.load.arrival_rate == 12 and decision.memory.arrival_rate == 14
+    # Without the one before (a first reading), this interval alone.
+    first = after_one_interval(pod_at(0, 0.2, 50, 0), pod_at(15, 0.2, 50, 210),
+                               dataclasses.replace(learnt, arrival_rate=None))
+    assert first.load.arrival_rate == 14
+
+
+def test_a_step_that_fits_in_the_free_kv_of_ready_replicas_asks_for_no_backlog() -> None:
+    # 10 replicas of long requests, each running 100 at KV 0.4 without a queue, capacity 0.4 a
+    # second: 10 a second arrive (each finished 1.5 and runs 13.5 more). Before a replica asked for
+    # now is ready (in 60 s), 600 arrive; the ready ones admit 1,500 more at their footprint
+    # (10 x 100 x 0.6 / 0.4): no backlog, and 10 / 0.4 = 25 replicas, where the 600 read as a
+    # backlog drained over 60 s would add 25 more.
+    memory = autoscaler.Memory(ten(0.0, 0.35, 0, 86.5, 1000), saturated_finished=40, saturated_seconds=100,
+                               startup_seconds=60)
+    decision = autoscaler.decide(WIDE, 10, TEN, 0, samples.Reading(ten(15.0, 0.4, 0, 100, 1001.5)), (), 15.0, memory)
+    assert decision.load.arrival_rate == 10 and decision.load.backlog == 0 and decision.replicas == 25
+    # The same replicas with their KV caches nearly full admit 75 between them, and the rest waits.
+    full = samples.Reading(ten(15.0, 0.93, 0, 100, 1001.5))
+    crowded = autoscaler.decide(WIDE, 10, TEN, 0, full, (), 15.0, memory)
+    assert crowded.load.backlog > 0 and crowded.replicas > 25
 
 
 def test_without_a_completion_rate_a_backlog_is_read_in_batches() -> None:

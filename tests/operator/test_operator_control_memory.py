@@ -72,7 +72,7 @@ def test_a_memory_is_taken_up_while_any_of_it_can_still_count() -> None:
 
 @pytest.mark.parametrize("broken", [
     {"at": 1000.0},
-    {"at": 1000.0, "recommendations": [["x", 1]], "pods": [], "backlogFinished": 0, "backlogSeconds": 0},
+    {"at": 1000.0, "recommendations": [["x", 1]], "pods": [], "saturatedFinished": 0, "saturatedSeconds": 0},
     {"at": "yesterday"},
     "a string",
 ])
