@@ -1,10 +1,11 @@
 """Pipeline parallelism on this CPU: the bubble, and what crosses between hosts for TP and for PP.
 
 The bubble: the time a decode batch takes to gain a token, for one model in four layouts on the
-same cores, the runs alternating: one rank (with every core, and with one: a pipeline stage's
-share), two pipeline stages and two tensor-parallel ranks (one core each). Under PP 2 the running
-requests go through in two micro-batches, one in each stage; a stage's busy share is the one-core
-rank's time over twice PP 2's (1 where the two stages never wait).
+same cores, the runs alternating: one rank (with every core, and with one), two pipeline stages and
+two tensor-parallel ranks (one core each). Under PP 2 the running requests go through in two
+micro-batches, one in each stage; one request cannot be split, so at batch 1 the stages take
+turns. Each layout is put against the one-core rank: what two cores add is the two-thread rank's
+ratio.
 
 Between hosts: the same engine split over two hosts, one rank each, host 1 in a network namespace
 joined to this one by a veth pair (runtime/benchmarks/netns.py); the bytes on the pair over a
@@ -32,6 +33,7 @@ import torch
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.argtypes import positive_int
 from kvpilot.runtime.benchmarks import netns
+from kvpilot.runtime.benchmarks.plot import line_figure
 from kvpilot.runtime.benchmarks.report import BenchReport, best_and_median, interleaved, markdown_table
 from kvpilot.runtime.config import EngineArgs
 from kvpilot.runtime.tiny_model import make_tiny_model
@@ -149,15 +151,15 @@ def main() -> None:
 
     samples = step_times(model, args.batches, args.new_tokens, args.repetitions)
     medians = {name: best_and_median(values)[1] for name, values in samples.items()}
-    rows, busy = [], {}
+    rows = []
     for batch in args.batches:
-        one_core = medians[f"1 rank, 1 thread, batch {batch}"]
-        pipelined = medians[f"PP 2 (1 thread each), batch {batch}"]
-        busy[batch] = one_core / (2 * pipelined)
-        rows.append([batch, *(f"{1000 * medians[f'{name}, batch {batch}']:.2f}" for name in LAYOUTS),
-                     f"{pipelined / one_core:.2f}x", f"{100 * busy[batch]:.0f} %"])
+        ms = {name: medians[f"{name}, batch {batch}"] for name in LAYOUTS}
+        one_core = ms["1 rank, 1 thread"]
+        rows.append([batch, *(f"{1000 * ms[name]:.2f}" for name in LAYOUTS),
+                     *(f"{ms[name] / one_core:.2f}x" for name in LAYOUTS if name != "1 rank, 1 thread")])
     bubble = markdown_table(["decode batch", *(f"{name} (ms a step)" for name in LAYOUTS),
-                             "PP 2 / 1 rank, 1 thread", "a stage's busy share"], rows)
+                             *(f"{name} / 1 rank, 1 thread" for name in LAYOUTS if name != "1 rank, 1 thread")],
+                            rows)
     body = (f"Model: {model if args.model else DESCRIPTION}. Decode steps of batches of {PROMPT_LEN}-token random "
             f"prompts, {args.new_tokens} tokens out (EOS ignored), median of {args.repetitions} runs per layout, the "
             f"layouts alternating, one engine alive at a time.\n\n{bubble}")
@@ -181,11 +183,24 @@ def main() -> None:
                       "gloo's and TCP's own messages)"], rows))
     else:
         body += f"\n\nThe bytes between hosts were not measured: {reason}."
-    last = args.batches[-1]
+    first, last = args.batches[0], args.batches[-1]
+
+    def against_one_core(name: str, batch: int) -> float:
+        return medians[f"{name}, batch {batch}"] / medians[f"1 rank, 1 thread, batch {batch}"]
+
     headline = (f"pipeline parallelism, two micro-batches in flight: PP 2's decode step "
-                f"{medians[f'PP 2 (1 thread each), batch {last}'] / medians[f'1 rank, 1 thread, batch {last}']:.2f}x "
-                f"a one-core rank's at batch {last}, each stage busy {100 * busy[last]:.0f} % of the step")
-    report.write(body, [], data, headline)
+                f"{against_one_core('PP 2 (1 thread each)', first):.2f}x a one-core rank's at batch {first}, "
+                f"{against_one_core('PP 2 (1 thread each)', last):.2f}x at {last} (two threads on one rank: "
+                f"{against_one_core('1 rank, 2 threads', last):.2f}x)")
+    if "bytes_per_step" in data:
+        crossed = data["bytes_per_step"]
+        headline += f"; TP 2 moves {crossed['TP 2'] / crossed['PP 2']:.0f}x PP 2's bytes between hosts"
+    figure = line_figure(report.output_path("step_time.png"),
+                         {name: [(batch, 1000 * medians[f"{name}, batch {batch}"]) for batch in args.batches]
+                          for name in LAYOUTS},
+                         xlabel="decode batch (requests)", ylabel="ms a step (median run)",
+                         title="A decode step, by layout, on the same cores", log_x=True)
+    report.write(body, [figure], data, headline)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ TINY_ARGS = {
     # The peer is a second kvpilot server (the report names it so): no llama-server build in tests.
     "llama_cpp_side_by_side.py": ["--stand-in", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
                                   "--concurrencies", "1,2", "--threads", "1"],
+    # Pipeline and tensor parallelism on two ranks, and the bytes across a network namespace (as root).
+    "pipeline_parallel.py": ["--batches", "1,2", "--new-tokens", "2", "--repetitions", "1"],
     "router_prefix_ttft.py": ["--conversations", "2", "--turns", "2", "--words-first-turn", "20",
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
                               "--repetitions", "1"],
@@ -64,7 +66,7 @@ MODEL_FREE = {"kernels.py", "quant_matmul.py", "scheduler_overhead.py", "attenti
 # temporary folder, so that it never overwrites the committed results.
 WRITES_REPORT = {"bf16_vs_f32.py", "concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py",
                  "serving_sweep.py", "router_overhead.py", "router_prefix_ttft.py", "quant_matmul.py",
-                 "llama_cpp_side_by_side.py"}
+                 "llama_cpp_side_by_side.py", "pipeline_parallel.py"}
 
 
 def test_every_script_has_a_tiny_mode():
