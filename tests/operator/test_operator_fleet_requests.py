@@ -80,7 +80,8 @@ def test_a_pass_that_changes_nothing_reads_a_few_objects_and_applies_none(tmp_pa
         clock = Clock()
         async with fleet(tmp_path, clock) as (k, reconciler):
             first = await pass_over_the_fleet(k, reconciler)
-            assert first["GET discovery"] == 1, "one discovery answer for the whole fleet"
+            # One answer for the whole fleet per optional kind: ServiceMonitors, LeaderWorkerSets.
+            assert first["GET discovery"] == 2, "one discovery answer per optional kind for the whole fleet"
             assert first["PATCH services"] == FLEET and first["PATCH servicemonitors"] == FLEET
 
             again = await pass_over_the_fleet(k, reconciler)
@@ -89,7 +90,7 @@ def test_a_pass_that_changes_nothing_reads_a_few_objects_and_applies_none(tmp_pa
 
             # Past the discovery answer's lifetime, the fleet asks once more.
             clock.now += reconcile.DISCOVERY_TTL_SECONDS
-            assert (await pass_over_the_fleet(k, reconciler))["GET discovery"] == 1
+            assert (await pass_over_the_fleet(k, reconciler))["GET discovery"] == 2
 
     run(scenario())
 
