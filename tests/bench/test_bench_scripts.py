@@ -56,7 +56,7 @@ TINY_ARGS = {
     "llama_cpp_side_by_side.py": ["--stand-in", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
                                   "--concurrencies", "1,2", "--threads", "1"],
     # Pipeline and tensor parallelism on two ranks, and the bytes across a network namespace (as root).
-    "pipeline_parallel.py": ["--batches", "1,2", "--new-tokens", "2", "--repetitions", "1"],
+    "pipeline_parallel.py": ["--batches", "2", "--new-tokens", "2", "--repetitions", "1"],
     "router_prefix_ttft.py": ["--conversations", "2", "--turns", "2", "--words-first-turn", "20",
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
                               "--repetitions", "1"],
