@@ -138,14 +138,21 @@ class ModelRunner:
         """Samples the requests at `sample_idx` (of the step), filling their entries of `sampled`
         and `logprobs`, and appends their tokens to the batch; under pipeline parallelism the
         tokens reach every stage's batch with the requests' next step instead."""
-        sample_ids = step.req_ids if len(sample_idx) == step.num_tokens else [step.req_ids[i] for i in sample_idx]
+        every_row = len(sample_idx) == step.num_tokens
+        if not every_row:
+            # Only the rows that sample reach the LM head (a pure decode step samples every row).
+            hidden = hidden[to_device(step.query_start_loc[1:][sample_idx] - 1, self.device)]
+        logits = self.model.compute_logits(hidden)
+        sample_ids = step.req_ids if every_row else [step.req_ids[i] for i in sample_idx]
         sample_rows = step.rows[sample_idx]
-        output = self._sampler_output(step, hidden, sample_idx, grammar, sample_ids, sample_rows)
+        metadata = self._sampling_metadata(sample_rows, sample_ids)
+        metadata.grammar_bitmask = self._grammar_bitmask(grammar, sample_ids)
+        output = self.sampler(logits, metadata, self.generator)
         self.logits_state.record_sampled(sample_ids, output.sampled_token_ids)
         tokens = output.sampled_token_ids.tolist()
         if not self.pipelined:
             self.batch.append_tokens(sample_rows, tokens)
-        if len(sample_idx) == step.num_tokens:
+        if every_row:
             sampled[:] = [[token] for token in tokens]
         else:
             for j, i in enumerate(sample_idx.tolist()):
@@ -155,16 +162,6 @@ class ModelRunner:
                 num = self.batch.num_logprobs.get(step.req_ids[i])
                 if num is not None:
                     logprobs[i] = [_row_logprobs(output.logprobs, j, num)]
-
-    def _sampler_output(self, step: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray,
-                        grammar: GrammarBitmask | None, sample_ids: list[str], sample_rows: np.ndarray):
-        if len(sample_idx) != step.num_tokens:
-            # Only the rows that sample reach the LM head (a pure decode step samples every row).
-            hidden = hidden[to_device(step.query_start_loc[1:][sample_idx] - 1, self.device)]
-        logits = self.model.compute_logits(hidden)
-        metadata = self._sampling_metadata(sample_rows, sample_ids)
-        metadata.grammar_bitmask = self._grammar_bitmask(grammar, sample_ids)
-        return self.sampler(logits, metadata, self.generator)
 
     def _forward(self, step: StepInputs) -> torch.Tensor | None:
         """The final hidden states of the step's tokens, padding rows cut off; None on a pipeline

@@ -37,11 +37,13 @@ def test_seeded_sampling_agrees_across_ranks(tp_engine):
     assert llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids == single
 
 
-def test_a_dead_worker_fails_the_engine_fast(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2)
+# A dead TP rank, or a dead first pipeline stage (the last one waits to receive from it).
+@pytest.mark.parametrize("layout, dead", [({"tensor_parallel_size": 2}, 1), ({"pipeline_parallel_size": 2}, 0)])
+def test_a_dead_worker_fails_the_engine_fast(tiny_llama_dir, layout, dead):
+    llm = LLM(str(tiny_llama_dir), **layout)
     workers = list(llm.engine.executor._workers)
-    os.kill(workers[1].pid, signal.SIGKILL)
-    with pytest.raises(WorkerDiedError, match="TP worker 1 exited with code -9"):
+    os.kill(workers[dead].pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=f"TP worker {dead} exited with code -9"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     # The surviving rank may be blocked in a collective with the dead one: it is stopped too.
     assert not any(worker.is_alive() for worker in workers)
