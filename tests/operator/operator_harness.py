@@ -145,7 +145,13 @@ class Cluster:
         return self.object(CHILDREN["Deployment"], name)
 
     def events(self, reason: str | None = None) -> list[dict[str, Any]]:
-        found = [obj.raw for key, obj in self.server.objects.items() if key[0] == "v1/events" and not obj.deleted]
+        while True:
+            try:
+                found = [obj.raw for key, obj in self.server.objects.items()
+                         if key[0] == "v1/events" and not obj.deleted]
+                break
+            except RuntimeError:  # the emulator's thread stored an object meanwhile: read again
+                continue
         return [event for event in found if reason is None or event.get("reason") == reason]
 
     async def create_engine(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
