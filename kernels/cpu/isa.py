@@ -44,7 +44,7 @@ def library(source: Path, level: str) -> Path:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -55,7 +55,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def why_not(source: Path, level: str, self_check: str) -> str | None:
     """None when `level` runs here; otherwise why not. Probes once per process and source."""
-    return _why_not(source, level, self_check, _cpu_flags())
+    return _why_not(source, level, self_check, cpu_flags())
 
 
 @functools.cache

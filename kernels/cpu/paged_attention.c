@@ -87,11 +87,18 @@ typedef struct {
     int64_t head_offset[MAX_ROWS];  /* where the row's KV head sits in a cache slot */
 } Workspace;
 
-/* Vectors of 16 floats (GNU C vector extensions, which gcc and clang share): the compiler maps
- * them onto whatever the machine has (one AVX-512 register, two AVX2 ones, four NEON ones).
- * Written out rather than left to the auto-vectoriser, which turned these loops into gathers and
- * chains of scalar adds. */
+/* Vectors of one machine register of floats (GNU C vector extensions, which gcc and clang
+ * share): 16 with AVX-512, 8 with AVX, 4 otherwise (SSE, NEON). Written out rather than left to
+ * the auto-vectoriser, which turned these loops into gathers and chains of scalar adds. A vector
+ * wider than the registers is lowered through the stack: 16 floats on an AVX2 machine made a
+ * SmolLM2 decode's attention 5x slower. */
+#if defined(__AVX512F__)
 #define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float half_vec __attribute__((vector_size(LANES / 2 * sizeof(float))));
 typedef float quarter_vec __attribute__((vector_size(LANES / 4 * sizeof(float))));
@@ -141,21 +148,18 @@ static inline __attribute__((always_inline)) float row_at(const void *row, const
 /* The sum of the lanes, by halving: a tree, not a chain of dependent adds, and in registers
  * where the compiler has __builtin_shufflevector (clang, gcc 12+); through memory otherwise. */
 static inline float sum_lanes(vec v) {
-#if defined(__clang__) || __GNUC__ >= 12
+#if LANES == 16 && (defined(__clang__) || __GNUC__ >= 12)
     const half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
                        + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     const quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-#else
-    half_vec lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    const half_vec h = lo + hi;
-    quarter_vec qlo, qhi;
-    memcpy(&qlo, &h, sizeof qlo);
-    memcpy(&qhi, (const char *)&h + sizeof qlo, sizeof qhi);
-    const quarter_vec q = qlo + qhi;
-#endif
     return (q[0] + q[2]) + (q[1] + q[3]);
+#else /* the same pairs: lane i with lane i + width, the width halved each time */
+    float lanes[LANES];
+    memcpy(lanes, &v, sizeof v);
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
+    return lanes[0];
+#endif
 }
 
 /* query . (key + offset) over dim elements. */
@@ -169,7 +173,7 @@ static inline __attribute__((always_inline)) float dot(const float *restrict que
     return sum;
 }
 
-#if defined(__clang__) || __GNUC__ >= 12
+#if LANES == 16 && (defined(__clang__) || __GNUC__ >= 12)
 #define HAVE_SHUFFLE 1
 /* Lane j of the result is the sum of the lanes of parts[j]. Pairs of vectors are halved together
  * (two shuffles and an add give each of them half as many partial sums, side by side), so LANES
@@ -485,7 +489,10 @@ static int paged_attention(
     int status = OK;
     int64_t next_run = 0; /* the first item no thread has taken */
 
-    #pragma omp parallel num_threads(num_threads)
+    /* A team no larger than the work: one decode is one item, and waking an idle thread for it
+     * costs more than the item. */
+    const int team = num_items < num_threads ? (int)num_items : num_threads;
+    #pragma omp parallel num_threads(team) if (team > 1)
     {
         Workspace *w = malloc(sizeof *w);
         float *rows = calloc((size_t)(2 * max_rows + KEY_CHUNK) * (size_t)head_dim, sizeof(float));

@@ -4,8 +4,10 @@
  * the result is float32 matmul on the dequantized weights up to summation order.
  *
  * Two shapes:
- * - a few rows of x (decode): each weight row is streamed once, every block dequantized once and
- *   multiplied into all M rows; memory-bound, so its job is to keep up with the weight bytes;
+ * - a few rows of x (decode): each weight row is streamed once, and each block's integers are
+ *   converted to float32 once for all M rows; a unit's scale multiplies its dot product and its
+ *   offset the unit's sum of x, rather than every weight. On SmolLM2 with 2 threads on an AVX2 EPYC
+ *   this is compute-bound (about 14 GB/s of the machine's 29), so its job is few operations a weight;
  * - many rows (prefill, big batches): a tile of TILE_ROWS weight rows x TILE_COLS columns is
  *   dequantized once into a float32 scratch, then a register-blocked micro-kernel runs it against
  *   every row of x.
@@ -64,6 +66,8 @@ enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8, NUM_TYPES };
 #endif
 /* Below this many multiply-adds a parallel region costs more than it saves. */
 #define PARALLEL_MIN 65536
+/* The decode shape's per-unit sums of x sit on the stack (32 KiB); wider rows take the tiled shape. */
+#define UNIT_SUMS_MAX 2048
 
 INLINE int block_size(const int t) { return t == Q4_K || t == Q5_K || t == Q6_K ? 256 : 32; }
 
@@ -110,6 +114,25 @@ INLINE float half_to_float(const uint8_t *p)
 #endif
 }
 
+/* Every half's float value: the decode shape reads its scales from here, a load where a
+ * conversion costs two shuffles and a convert per block. Filled by the library's constructor. */
+static float HALF_TO_FLOAT[1 << 16];
+
+__attribute__((constructor)) static void fill_half_table(void)
+{
+    for (uint32_t h = 0; h < (1u << 16); h++) {
+        const uint8_t bytes[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
+        HALF_TO_FLOAT[h] = half_to_float(bytes);
+    }
+}
+
+INLINE float half_at(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return HALF_TO_FLOAT[h];
+}
+
 INLINE vf load(const float *p)
 {
     vf v;
@@ -125,6 +148,21 @@ INLINE void store(float *p, vf v)
 }
 
 INLINE vf zero(void) { return (vf){0}; }
+
+INLINE vf splat(float f)
+{
+    vf v;
+    for (int i = 0; i < PARTS; i++)
+        v.part[i] = (vn){0} + f;
+    return v;
+}
+
+INLINE vf add(vf a, vf b)
+{
+    for (int i = 0; i < PARTS; i++)
+        a.part[i] += b.part[i];
+    return a;
+}
 
 /* acc + a * b, lane by lane (one fused multiply-add where the level has them). */
 INLINE vf multiply_add(vf acc, vf a, vf b)
@@ -142,15 +180,18 @@ INLINE vf affine(vf q, float scale, float offset)
     return q;
 }
 
+/* The lanes' sum, halving: three dependent adds for eight lanes where a running sum takes seven. */
 INLINE float hsum(vf v)
 {
     vn s = v.part[0];
     for (int i = 1; i < PARTS; i++)
         s += v.part[i];
-    float total = 0.0f;
-    for (int i = 0; i < NATIVE; i++)
-        total += s[i];
-    return total;
+    float lanes[NATIVE];
+    memcpy(lanes, &s, sizeof lanes);
+    for (int width = NATIVE / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++)
+            lanes[i] += lanes[i + width];
+    return lanes[0];
 }
 
 /* Q4_K / Q5_K: the j-th of 8 six-bit (scale, min) pairs packed into 12 bytes. */
@@ -167,55 +208,94 @@ INLINE void k_scale_min(const uint8_t *s, int j, float *scale, float *min)
 
 INLINE u8x16 bytes16(const uint8_t *p) { return *(const u8x16_unaligned *)p; }
 
-/* 16 bytes (unsigned or signed) to 16 floats. GCC's generic conversion goes one lane at a time,
- * so each level widens with its own instructions. */
-#if defined(__AVX512F__)
-INLINE vf to_float(u8x16 q) { return (vf){{(vn)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q))}}; }
-INLINE vf to_float_signed(u8x16 q) { return (vf){{(vn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q))}}; }
-#elif defined(__AVX2__)
-INLINE vf to_float(u8x16 q)
+/* 16 int32 lanes, parted like vf. The nibble types widen their 16 bytes once and split the
+ * nibbles in 32-bit lanes (an AND, a shift), so one widening serves 32 weights; widening is a
+ * shuffle, the scarcest of the operations a block needs. */
+typedef int32_t vn_int __attribute__((vector_size(NATIVE * 4)));
+typedef struct { vn_int part[PARTS]; } vi;
+
+INLINE vi lanes_and(vi v, int32_t mask)
 {
-    const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
-    return (vf){{(vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), (vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(top))}};
-}
-INLINE vf to_float_signed(u8x16 q)
-{
-    const __m128i v = (__m128i)q, top = _mm_unpackhi_epi64(v, v);
-    return (vf){{(vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), (vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(top))}};
-}
-#elif defined(__SSE2__)
-INLINE vf to_float(u8x16 q)
-{
-    const __m128i zero = _mm_setzero_si128(), lo = _mm_unpacklo_epi8((__m128i)q, zero),
-                  hi = _mm_unpackhi_epi8((__m128i)q, zero);
-    return (vf){{(vn)_mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero)), (vn)_mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero)),
-                 (vn)_mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero)), (vn)_mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero))}};
-}
-INLINE vf to_float_signed(u8x16 q)
-{
-    /* Each byte into the top of a 32-bit lane; the arithmetic shift sign-extends it. */
-    const __m128i v = (__m128i)q, lo = _mm_unpacklo_epi8(v, v), hi = _mm_unpackhi_epi8(v, v);
-    return (vf){{(vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24)),
-                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 24)),
-                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 24)),
-                 (vn)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 24))}};
-}
-#else
-INLINE vf to_float(u8x16 q)
-{
-    vf v;
-    for (int i = 0; i < VW; i++)
-        v.part[i / NATIVE][i % NATIVE] = (float)q[i];
+    for (int i = 0; i < PARTS; i++)
+        v.part[i] &= mask;
     return v;
 }
-INLINE vf to_float_signed(u8x16 q)
+
+INLINE vi lanes_shift_right(vi v, int bits)
 {
-    vf v;
+    for (int i = 0; i < PARTS; i++)
+        v.part[i] >>= bits;
+    return v;
+}
+
+INLINE vi lanes_minus(vi v, int32_t k)
+{
+    for (int i = 0; i < PARTS; i++)
+        v.part[i] -= k;
+    return v;
+}
+
+INLINE vf to_float(vi v)
+{
+    vf f;
+    for (int i = 0; i < PARTS; i++)
+        f.part[i] = __builtin_convertvector(v.part[i], vn);
+    return f;
+}
+
+/* The 16 bytes at p (unsigned or signed) as int32 lanes; at AVX2 two 8-byte loads, each widened
+ * straight from memory. Each level widens with its own instructions: GCC's generic conversion
+ * goes one lane at a time. */
+#if defined(__AVX512F__)
+INLINE vi widen(const uint8_t *p) { return (vi){{(vn_int)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))}}; }
+INLINE vi widen_signed(const uint8_t *p) { return (vi){{(vn_int)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))}}; }
+#elif defined(__AVX2__)
+INLINE vi widen(const uint8_t *p)
+{
+    return (vi){{(vn_int)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                 (vn_int)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))}};
+}
+INLINE vi widen_signed(const uint8_t *p)
+{
+    return (vi){{(vn_int)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                 (vn_int)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))}};
+}
+#elif defined(__SSE2__)
+INLINE vi widen(const uint8_t *p)
+{
+    const __m128i zero = _mm_setzero_si128(), q = _mm_loadu_si128((const __m128i *)p),
+                  lo = _mm_unpacklo_epi8(q, zero), hi = _mm_unpackhi_epi8(q, zero);
+    return (vi){{(vn_int)_mm_unpacklo_epi16(lo, zero), (vn_int)_mm_unpackhi_epi16(lo, zero),
+                 (vn_int)_mm_unpacklo_epi16(hi, zero), (vn_int)_mm_unpackhi_epi16(hi, zero)}};
+}
+INLINE vi widen_signed(const uint8_t *p)
+{
+    /* Each byte into the top of a 32-bit lane; the arithmetic shift sign-extends it. */
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), lo = _mm_unpacklo_epi8(q, q), hi = _mm_unpackhi_epi8(q, q);
+    return (vi){{(vn_int)_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24), (vn_int)_mm_srai_epi32(_mm_unpackhi_epi16(lo, lo), 24),
+                 (vn_int)_mm_srai_epi32(_mm_unpacklo_epi16(hi, hi), 24), (vn_int)_mm_srai_epi32(_mm_unpackhi_epi16(hi, hi), 24)}};
+}
+#else
+INLINE vi widen(const uint8_t *p)
+{
+    vi v;
     for (int i = 0; i < VW; i++)
-        v.part[i / NATIVE][i % NATIVE] = (float)(int8_t)q[i];
+        v.part[i / NATIVE][i % NATIVE] = p[i];
+    return v;
+}
+INLINE vi widen_signed(const uint8_t *p)
+{
+    vi v;
+    for (int i = 0; i < VW; i++)
+        v.part[i / NATIVE][i % NATIVE] = (int8_t)p[i];
     return v;
 }
 #endif
+
+/* Bytes computed in registers (the five- and six-bit types), widened through memory: a store
+ * and two widening loads cost less than the register shuffles that would split them. */
+INLINE vi widen_value(u8x16 q) { return widen((const uint8_t *)&q); }
+INLINE vi widen_signed_value(u8x16 q) { return widen_signed((const uint8_t *)&q); }
 
 /* Bits 0..15 (half 0) or 16..31 (half 1) of the 32 bits at qh, one per lane, as 0 or 16. */
 INLINE u8x16 fifth_bits(const uint8_t *qh, int half)
@@ -226,52 +306,84 @@ INLINE u8x16 fifth_bits(const uint8_t *qh, int half)
     return (u8x16)((spread & mask) != 0) & 16;
 }
 
-/* Weights [16 g, 16 g + 16) of one block of type t, each as gguf's dequantizer computes it. */
-INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, float row_scale)
+/* A block's weights come in units that share one scale and one offset: 32 weights, but 16 for
+ * Q6_K (and for int8 the row's scale). Weight i of unit u is scale * q_i + offset, q_i an integer. */
+INLINE int unit_size(const int t) { return t == Q6_K ? 16 : 32; }
+INLINE int has_offset(const int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
+
+INLINE void unit_scale(const int t, const uint8_t *restrict b, const int u, float row_scale, float *scale, float *offset)
+{
+    *offset = 0.0f;
+    switch (t) {
+    case Q4_1: case Q5_1:
+        *offset = half_at(b + 2);
+        /* fall through */
+    case Q4_0: case Q5_0: case Q8_0:
+        *scale = half_at(b);
+        return;
+    case Q4_K: case Q5_K: { /* eight sub-blocks of 32, each a six-bit scale and min */
+        float sub_scale, sub_min;
+        k_scale_min(b + 4, u, &sub_scale, &sub_min);
+        *scale = half_at(b) * sub_scale;
+        *offset = -(half_at(b + 2) * sub_min);
+        return;
+    }
+    case Q6_K: /* sixteen int8 scales, one per 16 weights */
+        *scale = half_at(b + 208) * (float)(int8_t)b[192 + u];
+        return;
+    default:
+        *scale = row_scale;
+    }
+}
+
+/* The integers q of weights [16 g, 16 g + 16) of one block of type t, as gguf's layouts store them. */
+INLINE vf group_quants(const int t, const uint8_t *restrict b, const int g)
 {
     switch (t) {
-    case Q4_0: {
-        const u8x16 q = bytes16(b + 2);
-        return affine(to_float_signed((g ? q >> 4 : q & 15) - 8), half_to_float(b), 0.0f);
-    }
-    case Q4_1: {
-        const u8x16 q = bytes16(b + 4);
-        return affine(to_float(g ? q >> 4 : q & 15), half_to_float(b), half_to_float(b + 2));
-    }
+    case Q4_0: /* byte i: weight i in its low nibble, weight i + 16 in its high one */
+        return to_float(lanes_minus(g ? lanes_shift_right(widen(b + 2), 4) : lanes_and(widen(b + 2), 15), 8));
+    case Q4_1:
+        return to_float(g ? lanes_shift_right(widen(b + 4), 4) : lanes_and(widen(b + 4), 15));
     case Q5_0: {
         const u8x16 q = bytes16(b + 6);
-        return affine(to_float_signed(((g ? q >> 4 : q & 15) | fifth_bits(b + 2, g)) - 16), half_to_float(b), 0.0f);
+        return to_float(lanes_minus(widen_value((g ? q >> 4 : q & 15) | fifth_bits(b + 2, g)), 16));
     }
     case Q5_1: {
         const u8x16 q = bytes16(b + 8);
-        return affine(to_float((g ? q >> 4 : q & 15) | fifth_bits(b + 4, g)), half_to_float(b), half_to_float(b + 2));
+        return to_float(widen_value((g ? q >> 4 : q & 15) | fifth_bits(b + 4, g)));
     }
     case Q8_0:
-        return affine(to_float_signed(bytes16(b + 2 + 16 * g)), half_to_float(b), 0.0f);
-    case Q4_K: case Q5_K: {
-        /* 4 runs of 64 weights: 32 bytes, their low nibbles sub-block 2c, their high ones 2c + 1. */
+        return to_float(widen_signed(b + 2 + 16 * g));
+    case Q4_K: { /* 4 runs of 64 weights: 32 bytes, their low nibbles sub-block 2c, their high ones 2c + 1 */
         const int c = g / 4, high = (g / 2) & 1, part = g & 1;
-        float scale, min;
-        k_scale_min(b + 4, 2 * c + high, &scale, &min);
-        const uint8_t *qs = (t == Q5_K ? b + 48 : b + 16) + 32 * c + 16 * part;
-        u8x16 q = high ? bytes16(qs) >> 4 : bytes16(qs) & 15;
-        if (t == Q5_K)
-            q |= ((bytes16(b + 16 + 16 * part) >> (2 * c + high)) & 1) << 4;
-        return affine(to_float(q), half_to_float(b) * scale, -(half_to_float(b + 2) * min));
+        const vi q = widen(b + 16 + 32 * c + 16 * part);
+        return to_float(high ? lanes_shift_right(q, 4) : lanes_and(q, 15));
+    }
+    case Q5_K: {
+        const int c = g / 4, high = (g / 2) & 1, part = g & 1;
+        const u8x16 qs = bytes16(b + 48 + 32 * c + 16 * part);
+        const u8x16 q = (high ? qs >> 4 : qs & 15) | ((bytes16(b + 16 + 16 * part) >> (2 * c + high)) & 1) << 4;
+        return to_float(widen_value(q));
     }
     case Q6_K: {
         /* Two runs of 128: weight l + 32 k (l < 32) takes the low (k even) or high nibble of
-         * ql[l + 32 (k & 1)] and bits 2k, 2k + 1 of qh[l]; one int8 scale per 16 weights. */
+         * ql[l + 32 (k & 1)] and bits 2k, 2k + 1 of qh[l]. */
         const int half = g / 8, k = (g / 2) & 3, part = g & 1;
         const uint8_t *ql = b + 64 * half + 32 * (k & 1) + 16 * part, *qh = b + 128 + 32 * half + 16 * part;
         const u8x16 low = k < 2 ? bytes16(ql) & 15 : bytes16(ql) >> 4;
-        const u8x16 q = low | (((bytes16(qh) >> (2 * k)) & 3) << 4);
-        const float scale = half_to_float(b + 208) * (float)(int8_t)b[192 + 8 * half + 2 * k + part];
-        return affine(to_float_signed(q - 32), scale, 0.0f);
+        return to_float(widen_signed_value((low | (((bytes16(qh) >> (2 * k)) & 3) << 4)) - 32));
     }
     default: /* I8: 16 weights of one row */
-        return affine(to_float_signed(bytes16(b + 16 * g)), row_scale, 0.0f);
+        return to_float(widen_signed(b + 16 * g));
     }
+}
+
+/* Weights [16 g, 16 g + 16) of one block of type t, each as gguf's dequantizer computes it. */
+INLINE vf dequantize_group(const int t, const uint8_t *restrict b, const int g, float row_scale)
+{
+    float scale, offset;
+    unit_scale(t, b, g * 16 / unit_size(t), row_scale, &scale, &offset);
+    return affine(group_quants(t, b, g), scale, offset);
 }
 
 struct problem {
@@ -283,6 +395,7 @@ struct problem {
     int64_t x_stride, m;
     float *out;                /* [m, rows], rows out_stride floats apart */
     int64_t out_stride;
+    const float *unit_sums;    /* decode shape, types with offsets: [m, cols / 32], x summed per unit */
 };
 
 /* Columns [k0, k0 + n) of weight row r into w (int8's columns past its last whole block included). */
@@ -299,32 +412,69 @@ INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int
         w[k] = row_scale * (float)(int8_t)row[k0 + k];
 }
 
-/* Decode shape: weight rows [r0, r1), each block dequantized once for all M (<= GEMV_MAX_M) rows. */
+/* One unit n of a weight row (decode shape) into acc, for M rows of x: its integers converted
+ * once, their dot with each row scaled once. A unit's scale and offset come out of its sum:
+ * sum_i (scale q_i + offset) x_i = scale (q . x) + offset sum_i x_i, the last sum precomputed per
+ * call (unit_sums), so each weight costs one multiply-add and no affine step. */
+INLINE void unit_dot(const int t, const int M, const struct problem *p, const uint8_t *restrict row, int64_t n,
+                     float row_scale, vf *acc, float *offsets)
+{
+    const int us = unit_size(t), units = block_size(t) / us, groups = us / VW;
+    const uint8_t *block = row + n / units * block_bytes(t);
+    float scale, offset;
+    unit_scale(t, block, n % units, row_scale, &scale, &offset);
+    vf q[2];
+    for (int g = 0; g < groups; g++)
+        q[g] = group_quants(t, block, n % units * groups + g);
+    for (int m = 0; m < M; m++) {
+        const float *x = p->x + m * p->x_stride + n * us;
+        vf dot = zero();
+        for (int g = 0; g < groups; g++)
+            dot = multiply_add(dot, q[g], load(x + VW * g));
+        acc[m] = multiply_add(acc[m], dot, splat(scale));
+        if (has_offset(t))
+            offsets[m] += offset * p->unit_sums[m * (p->cols / 32) + n];
+    }
+}
+
+/* Decode shape: weight rows [r0, r1), for M (<= GEMV_MAX_M) rows of x. With one or two rows of
+ * x, two weight rows go together: their multiply-adds are independent chains, each unit's x is
+ * loaded once for both, and a row's fixed costs (its reduction, its store) are shared. Past two,
+ * the x rows' own chains keep the multiply-adds apart, and a second weight row's accumulators
+ * would no longer fit in the vector registers. */
 INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t r0, int64_t r1)
 {
-    const int bs = block_size(t), bb = block_bytes(t);
-    const int64_t blocks = p->cols / bs, whole = blocks * bs, row_bytes = t == I8 ? p->cols : blocks * bb;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = p->w + r * p->w_stride;
-        if (r + PREFETCH_ROWS < p->rows)
-            for (int64_t line = 0; line < row_bytes; line += 64)
-                __builtin_prefetch(row + PREFETCH_ROWS * p->w_stride + line, 0, 0);
-        const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
-        vf acc[M][2];
-        for (int m = 0; m < M; m++)
-            acc[m][0] = acc[m][1] = zero();
-        for (int64_t b = 0; b < blocks; b++)
-            _Pragma("GCC unroll 16") for (int g = 0; g < bs / VW; g++) {
-                const vf wv = dequantize_group(t, row + b * bb, g, row_scale);
-                for (int m = 0; m < M; m++)
-                    acc[m][g & 1] = multiply_add(acc[m][g & 1], wv, load(p->x + m * p->x_stride + b * bs + VW * g));
+    enum { MAX_TOGETHER = 2 };
+    const int together = M == 1 ? MAX_TOGETHER : 1;
+    const int64_t units = p->cols / block_size(t) * (block_size(t) / unit_size(t)), whole = units * unit_size(t);
+    const int64_t row_bytes = t == I8 ? p->cols : p->cols / block_size(t) * block_bytes(t);
+    for (int64_t r = r0; r < r1; r += together) {
+        const uint8_t *rows[MAX_TOGETHER];
+        float row_scales[MAX_TOGETHER];
+        vf acc[MAX_TOGETHER][M];
+        float offsets[MAX_TOGETHER][M];
+        for (int j = 0; j < together; j++) {
+            const int64_t row = r + j < r1 ? r + j : r; /* past the end: row r again, not written */
+            rows[j] = p->w + row * p->w_stride;
+            row_scales[j] = t == I8 ? p->row_scales[row] : 0.0f;
+            if (row + PREFETCH_ROWS < p->rows)
+                for (int64_t line = 0; line < row_bytes; line += 64)
+                    __builtin_prefetch(rows[j] + PREFETCH_ROWS * p->w_stride + line, 0, 0);
+            for (int m = 0; m < M; m++) {
+                acc[j][m] = zero();
+                offsets[j][m] = 0.0f;
             }
-        for (int m = 0; m < M; m++) {
-            float sum = hsum(acc[m][0]) + hsum(acc[m][1]);
-            for (int64_t k = whole; k < p->cols; k++)
-                sum += row_scale * (float)(int8_t)row[k] * p->x[m * p->x_stride + k];
-            p->out[m * p->out_stride + r] = sum;
         }
+        for (int64_t n = 0; n < units; n++)
+            for (int j = 0; j < together; j++)
+                unit_dot(t, M, p, rows[j], n, row_scales[j], acc[j], offsets[j]);
+        for (int j = 0; j < together && r + j < r1; j++)
+            for (int m = 0; m < M; m++) {
+                float sum = hsum(acc[j][m]) + offsets[j][m];
+                for (int64_t k = whole; k < p->cols; k++)
+                    sum += row_scales[j] * (float)(int8_t)rows[j][k] * p->x[m * p->x_stride + k];
+                p->out[m * p->out_stride + r + j] = sum;
+            }
     }
 }
 
@@ -418,11 +568,20 @@ int quant_matmul_f32(int qtype, const uint8_t *w, int64_t w_stride, const float 
 {
     if (qtype < 0 || qtype >= NUM_TYPES)
         return 1;
-    const struct problem p = {w, w_stride, row_scales, rows, cols, x, x_stride, m, out, out_stride};
+    struct problem p = {w, w_stride, row_scales, rows, cols, x, x_stride, m, out, out_stride, 0};
     const int parallel = threads > 1 && rows * cols * m >= PARALLEL_MIN;
     if (m <= 0 || rows <= 0)
         return 0;
-    if (m <= GEMV_MAX_M) {
+    if (m <= GEMV_MAX_M && cols / 32 <= UNIT_SUMS_MAX) {
+        float unit_sums[GEMV_MAX_M * UNIT_SUMS_MAX];
+        if (has_offset(qtype)) {
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t u = 0; u < cols / 32; u++) {
+                    const float *xs = x + i * x_stride + 32 * u;
+                    unit_sums[i * (cols / 32) + u] = hsum(add(load(xs), load(xs + VW)));
+                }
+            p.unit_sums = unit_sums;
+        }
         const gemv_fn gemv = GEMV[qtype];
         const int64_t tasks = (rows + GEMV_ROWS_PER_TASK - 1) / GEMV_ROWS_PER_TASK;
         #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
