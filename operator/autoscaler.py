@@ -7,7 +7,8 @@ What the load needs, in replicas, is the larger of two counts:
 - Capacity: the fleet's arrivals (what the replicas finished plus the growth of what they run
   and queue, averaged over the last two intervals) over what a replica completes per second
   (its capacity, measured while replicas were saturated: Memory.capacity), plus the backlog
-  drained within backlogDrainSeconds. The backlog counted is the one the fleet will hold when a
+  drained within backlogDrainSeconds, times the headroom learnt from backlogs that stood
+  (Memory.headroom, 1 until one does). The backlog counted is the one the fleet will hold when a
   replica asked for now is ready: what waits beyond targetQueueDepth per replica and what the
   routers hold, plus what arrives meanwhile beyond what the replicas ready admit into their
   free KV cache and complete, and the starting ones complete (each from its expected ready
@@ -81,6 +82,17 @@ CAPACITY_WINDOW_SECONDS = 3600.0
 # replica at a flash crowd's first backlog, where the replica sustains 0.48).
 KV_FULL = 0.95
 KV_FILLING_PER_SECOND = 0.2 / 60
+# Memory.headroom: how far below their measured capacity the replicas are to run. A Service puts
+# each request on a replica at random, and long requests swing a replica's KV cache: one fills,
+# preempts and queues while the fleet's mean has room, and its queue drains only at what it
+# completes less its share of the arrivals. A backlog that stands through the standing window
+# (_standing_window) with no replica on its way says the fleet runs too close to its capacity for
+# these requests: each such interval raises the headroom by HEADROOM_STEP per window, up to
+# HEADROOM_MAX (a third of their capacity left unused); each interval without a backlog lowers it
+# by HEADROOM_RELAX_PER_HOUR, down to 1.
+HEADROOM_STEP = 0.2
+HEADROOM_MAX = 1.5
+HEADROOM_RELAX_PER_HOUR = 0.1
 # The latencies' percentile read against autoscaling.targets: p90, not p99. A replica serves tens
 # of requests per interval; their p99 is their maximum, one slow request, while their p90 moves
 # with the queueing that more replicas cure.
@@ -168,6 +180,7 @@ class Load:
     arrival_rate: float | None = None
     backlog: float | None = None
     capacity_replicas: float | None = None
+    headroom: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -191,8 +204,9 @@ class Memory:
     `capacity`); when the memory began (None: it begins with this reading); since when the
     engine has been idle, without a break (None: it is not); when each replica now on its way
     was first seen on its way, oldest first; how long a replica takes to be ready (None: none
-    was seen to start); and the fleet's arrivals per second over the last interval (None:
-    unknown)."""
+    was seen to start); the fleet's arrivals per second over the last interval (None:
+    unknown); since when the fleet has held a backlog without a break and with no replica on its
+    way (None: it has not); and the headroom learnt from such backlogs (HEADROOM_STEP)."""
 
     pods: Mapping[str, samples.PodSample] = field(default_factory=dict)
     saturated_finished: float = 0.0
@@ -202,6 +216,8 @@ class Memory:
     on_way_since: tuple[float, ...] = ()
     startup_seconds: float | None = None
     arrival_rate: float | None = None
+    backlog_since: float | None = None
+    headroom: float = 1.0
 
     @property
     def capacity(self) -> float | None:
@@ -254,11 +270,13 @@ def decide(
     on_way_since, startup_seconds = _starts(memory, len(ready), on_way, now)
     before, last_arrival_rate = memory.pods, memory.arrival_rate
     rates = _fleet_rates(used, before)
+    waiting = _backlog(policy, used, held if isinstance(held, float | int) else 0.0)
+    backlog_since = None if waiting <= 0 or on_way else (now if memory.backlog_since is None else memory.backlog_since)
     memory = Memory(used, *_saturated_work(policy, used, memory), since=since, idle_since=idle_since,
                     on_way_since=on_way_since, startup_seconds=startup_seconds,
-                    arrival_rate=None if rates is None else rates[1])
-    load = _load(policy, used, before, memory, rates, last_arrival_rate,
-                 held if isinstance(held, float | int) else 0.0, now)
+                    arrival_rate=None if rates is None else rates[1], backlog_since=backlog_since,
+                    headroom=_headroom(policy, memory.headroom, backlog_since, waiting, startup_seconds, now))
+    load = _load(policy, used, before, memory, rates, last_arrival_rate, waiting, now)
     needed = max(len(ready) * load.saturation, load.capacity_replicas or 0.0)
 
     wanted = replicas if abs(needed - replicas) <= TOLERANCE * replicas else math.ceil(needed - 1e-9)
@@ -426,6 +444,29 @@ def _fleet_rates(used: Mapping[str, samples.PodSample],
     return sum(completed for completed, _ in rates), sum(arrived for _, arrived in rates)
 
 
+def _backlog(policy: Policy, used: Mapping[str, samples.PodSample], held: float) -> float:
+    """The requests waiting beyond targetQueueDepth at each ready replica, and those the routers hold."""
+    return sum(max(0.0, s.num_waiting - policy.target_queue_depth) for s in used.values()) + held
+
+
+def _standing_window(policy: Policy, startup: float) -> float:
+    """How long a backlog stands before it raises the headroom: no shorter than the wait before a
+    scale-down (the load's fall is not believed sooner, nor is a backlog's standing), nor than a
+    replica asked for at the backlog's start takes to be ready and drain it."""
+    return max(policy.scale_down_stabilization_seconds, startup + policy.backlog_drain_seconds)
+
+
+def _headroom(policy: Policy, headroom: float, backlog_since: float | None, backlog: float,
+              startup_seconds: float | None, now: float) -> float:
+    """Memory.headroom after this reading (see HEADROOM_STEP)."""
+    window = _standing_window(policy, STARTUP_SECONDS if startup_seconds is None else startup_seconds)
+    if backlog_since is not None and now - backlog_since >= window:
+        return min(HEADROOM_MAX, headroom + HEADROOM_STEP * policy.interval_seconds / window)
+    if backlog <= 0:
+        return max(1.0, headroom - HEADROOM_RELAX_PER_HOUR * policy.interval_seconds / 3600)
+    return headroom
+
+
 def _capacity_replicas(policy: Policy, memory: Memory, ready: int, rates: tuple[float, float], backlog: float,
                        room: float, capacity: float, now: float) -> tuple[float, float]:
     """(replicas, backlog then): the replicas that take the arrivals and drain, within
@@ -435,7 +476,8 @@ def _capacity_replicas(policy: Policy, memory: Memory, ready: int, rates: tuple[
     that cannot be ready in time for them is not asked for them. Over the last D seconds before
     S, the replicas ready admit `room` requests (_room) and complete what they complete now or
     `capacity` each, whichever is more (replicas that keep up show a capacity the estimate may
-    not have seen yet), and those on their way `capacity` each from their expected ready time."""
+    not have seen yet), and those on their way `capacity` each from their expected ready time.
+    The replicas run `memory.headroom` below their capacity."""
     completed, arrival = rates
     startup, drain = memory.startup, policy.backlog_drain_seconds
     window = min(drain, startup)
@@ -444,7 +486,7 @@ def _capacity_replicas(policy: Policy, memory: Memory, ready: int, rates: tuple[
     arriving = sum(max(0.0, startup - max(opens, startup - (now - began))) for began in memory.on_way_since)
     taken = room + max(completed, capacity * ready) * window + capacity * arriving
     later = max(0.0, (backlog if opens == 0 else 0.0) + arrival * window - taken)
-    return (arrival + later / drain) / capacity, later
+    return (arrival + later / drain) / capacity * memory.headroom, later
 
 
 def _latency_term(policy: Policy, sample: samples.PodSample, before: samples.PodSample | None) -> float:
@@ -501,10 +543,11 @@ def _room(policy: Policy, used: Mapping[str, samples.PodSample]) -> float:
 
 
 def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping[str, samples.PodSample],
-          memory: Memory, rates: tuple[float, float] | None, last_arrival_rate: float | None, held: float,
+          memory: Memory, rates: tuple[float, float] | None, last_arrival_rate: float | None, waiting: float,
           now: float) -> Load:
     """The reading's load; `rates` are the fleet's (completed, arrived) per second over this
-    interval, `last_arrival_rate` its arrivals over the one before (None: unknown)."""
+    interval, `last_arrival_rate` its arrivals over the one before (None: unknown), `waiting` its
+    backlog now (_backlog)."""
     capacity = memory.capacity
     counted = policy.capacity_sizing and rates is not None and capacity is not None
     saturations = [max(s.kv_cache_usage / policy.target_kv_cache_usage, _queue_term(policy, s, counted),
@@ -516,7 +559,6 @@ def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping
         # Two intervals' mean: one 15 s count of Poisson arrivals at 10/s is off by 8 % (one
         # standard deviation), and the count would follow it up and down.
         arrival = rates[1] if last_arrival_rate is None else (rates[1] + last_arrival_rate) / 2
-        waiting = sum(max(0.0, s.num_waiting - policy.target_queue_depth) for s in values) + held
         replicas, backlog = _capacity_replicas(policy, memory, len(used), (rates[0], arrival), waiting,
                                                _room(policy, used), capacity, now)
     return Load(
@@ -527,6 +569,7 @@ def _load(policy: Policy, used: Mapping[str, samples.PodSample], before: Mapping
         arrival_rate=arrival,
         backlog=backlog,
         capacity_replicas=replicas,
+        headroom=memory.headroom,
     )
 
 
@@ -543,6 +586,8 @@ def _summary(policy: Policy, load: Load, ready: int, starting: int) -> str:
     if load.capacity_replicas is not None:
         text += (f"; {load.arrival_rate:.3g} requests/s arriving and a backlog of {load.backlog:.0f} when a new"
                  f" replica is ready ask for {load.capacity_replicas:.1f} replicas")
+        if load.headroom > 1:
+            text += f" ({load.headroom:.2f}x headroom: backlogs stood)"
     return text
 
 

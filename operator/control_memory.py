@@ -3,7 +3,8 @@ that takes over after a failover, or restarts, decides as the one before would h
 
 What survives: the autoscaler's recommendations inside its stabilization windows, the start of
 its memory (the first-window guard), its last reading of each pod (for rates), the capacity it
-measured and since when the engine has been idle; the policy tuner's pressured intervals and the
+measured, the headroom it learnt and since when a backlog has stood, and since when the engine has
+been idle; the policy tuner's pressured intervals and the
 start of its calm window.
 
 The rule that makes the handover safe: the intervals missed between the last operator's last
@@ -42,6 +43,8 @@ def encoded_autoscaler(decision: autoscaler.Decision, now: float) -> dict[str, A
         "idleSince": memory.idle_since,
         "saturatedFinished": memory.saturated_finished,
         "saturatedSeconds": memory.saturated_seconds,
+        "headroom": memory.headroom,
+        "backlogSince": memory.backlog_since,
         "pods": [[s.pod, s.kv_cache_usage, s.num_waiting, s.num_running, s.observed_at, s.num_finished]
                  for s in memory.pods.values()],
     }
@@ -61,7 +64,10 @@ def restored_autoscaler(
                                             None if finished is None else float(finished))
                 for pod, kv, waiting, running, at, finished in saved["pods"]}
         memory = autoscaler.Memory(pods, float(saved["saturatedFinished"]), float(saved["saturatedSeconds"]),
-                                   _time(saved.get("since")), _time(saved.get("idleSince")))
+                                   _time(saved.get("since")), _time(saved.get("idleSince")),
+                                   backlog_since=_time(saved.get("backlogSince")),
+                                   # A memory written before the headroom was learnt has none.
+                                   headroom=min(autoscaler.HEADROOM_MAX, max(1.0, float(saved.get("headroom", 1.0)))))
     except (KeyError, TypeError, ValueError):
         return None
     return history, memory

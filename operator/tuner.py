@@ -2,9 +2,11 @@
 policy. Pure: no I/O, and the clock is a parameter.
 
 An engine runs `fcfs` while it copes. When its queue per replica stays above
-`autoscaling.targetQueueDepth` for PRESSURE_INTERVALS consecutive intervals and it cannot add
-replicas (autoscaling is off, or it is at `maxReplicas`), the tuner switches it to `priority`, so
-that the tenants that matter most wait least while capacity is short. Once the queue has stayed
+`autoscaling.targetQueueDepth` for PRESSURE_INTERVALS consecutive intervals and no replica can
+relieve it now (autoscaling is off, it is at `maxReplicas`, or a replica is still starting), the
+tuner switches it to `priority`, so that the tenants that matter most wait least while capacity is
+short. A replica starting counts as short capacity: it is minutes from serving (image pull, weight
+load), and a queue that a Service leaves on the replica it reached waits for it under `fcfs`. Once the queue has stayed
 at or below target for `scheduling.calmWindowSeconds`, it goes back to `fcfs`. A pinned policy
 (`fcfs` or `priority`) is never changed.
 
@@ -89,9 +91,11 @@ def decide_policy(
     queue_depths: Sequence[float],
     previous: TunerState,
     now: float,
+    starting: int = 0,
 ) -> PolicyDecision:
     """One interval's decision. `queue_depths` holds each ready replica's waiting requests for this
-    interval; `now` is in seconds on any clock that the previous decisions used too."""
+    interval; `starting` counts the pods not ready yet; `now` is in seconds on any clock that the
+    previous decisions used too."""
     policy = spec["scheduling"]["policy"]
     if policy != AUTO:
         return PolicyDecision(policy, "Pinned", f"spec.scheduling.policy pins {policy}", TunerState(policy))
@@ -104,13 +108,12 @@ def decide_policy(
     reading = f"{depth:.3g} waiting requests per replica (target {target:g})"
 
     if previous.policy != PRESSURE_POLICY:
-        pressured = previous.pressured_intervals + 1 if depth > target and not can_scale else 0
+        short = "the engine cannot scale further" if not can_scale else (
+            f"{starting} replica{'s' if starting > 1 else ''} still starting" if starting else None)
+        pressured = previous.pressured_intervals + 1 if depth > target and short else 0
         if pressured >= PRESSURE_INTERVALS:
-            return PolicyDecision(
-                PRESSURE_POLICY, "QueueAboveTarget",
-                f"{reading} for {pressured} intervals, and the engine cannot scale further",
-                TunerState(PRESSURE_POLICY),
-            )
+            return PolicyDecision(PRESSURE_POLICY, "QueueAboveTarget",
+                                  f"{reading} for {pressured} intervals, and {short}", TunerState(PRESSURE_POLICY))
         if pressured:
             reason, why = "PressureBuilding", f"{reading}, interval {pressured} of {PRESSURE_INTERVALS}"
         elif depth > target:

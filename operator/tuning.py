@@ -55,7 +55,7 @@ class PolicyTuning:
                                     now=interval.now, interval_seconds=seconds)
         decision = tuner.decide_policy(spec, can_scale=tuner.can_scale_further(spec), queue_depths=depths,
                                        previous=self._states.get(key) or _restored(engine, interval.now),
-                                       now=interval.now)
+                                       now=interval.now, starting=interval.starting)
         self._states[key] = decision.state
         if not depths and not spec["autoscaling"]["enabled"]:
             # With autoscaling on, the autoscaler reports the reading's problems (MetricsAvailable).

@@ -103,7 +103,7 @@ class ControlLoop:
             view = self.tuner_spec
             view["replicas"] = spec["replicas"]
             chosen = tuner.decide_policy(view, can_scale=tuner.can_scale_further(view), queue_depths=depths,
-                                         previous=self.tuner_state, now=now)
+                                         previous=self.tuner_state, now=now, starting=starting)
             self.tuner_state = chosen.state
             policy = chosen.policy
         spec["replicas"] = replicas

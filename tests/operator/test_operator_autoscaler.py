@@ -140,6 +140,43 @@ def test_a_step_that_replicas_on_their_way_will_drain_does_not_double_the_fleet(
     assert again.memory.on_way_since == (15.0, 15.0) and again.load.backlog == 960 and again.replicas == 12
 
 
+def standing(policy: autoscaler.Policy, waiting: list[float], replicas: int = 10, starting: int = 0
+             ) -> list[autoscaler.Decision]:
+    """Ten ready pods, each finishing 28/s at its capacity (learnt) as 28/s arrive, with `waiting`
+    requests each, one reading per interval; spec.replicas held at `replicas` (a count asked for is
+    not applied) with `starting` of them on their way."""
+    history: tuple = ()
+    memory = autoscaler.Memory(ten(0.0, 0.3, waiting[0], 200, 0), saturated_finished=420, saturated_seconds=15,
+                               startup_seconds=60)
+    decisions = []
+    for step, queue in enumerate(waiting[1:], start=1):
+        t = step * policy.interval_seconds
+        reading_now = samples.Reading(ten(t, 0.3, queue, 200, 28 * t))
+        decision = autoscaler.decide(policy, replicas, TEN, starting, reading_now, history, t, memory)
+        history, memory = decision.history, decision.memory
+        decisions.append(decision)
+    return decisions
+
+
+def test_a_backlog_that_stands_with_no_replica_on_its_way_raises_the_headroom() -> None:
+    # 15 waiting beyond the target at each of 10 replicas, their capacity matching the arrivals:
+    # the capacity count asks for (280 + 150 / 60) / 28 = 10.1, within the tolerance (10 %) of the
+    # 10 there are. Standing through the scale-down window (300 s, 20 intervals), the backlog
+    # raises the headroom by 0.2 a window, 0.01 an interval: 10.1 x 1.1 passes the tolerance.
+    decisions = standing(WIDE, [20.0] * 41)
+    headroom = [d.memory.headroom for d in decisions]
+    assert headroom[:19] == [1.0] * 19 and all(b > a for a, b in zip(headroom[19:], headroom[20:]))
+    counts = [d.replicas for d in decisions]
+    assert counts.count(10) == 29 and counts[29] == 12
+    assert "ask for 11.1 replicas (1.10x headroom: backlogs stood)" in decisions[29].message
+    # The same backlog while a replica is on its way: that replica is the answer, not yet tried.
+    assert {d.memory.headroom for d in standing(WIDE, [20.0] * 41, replicas=11, starting=1)} == {1.0}
+    # Gone, the backlog's headroom relaxes: 0.1 an hour without one (240 intervals).
+    learnt = decisions[-1].memory.headroom
+    relaxed = standing(WIDE, [20.0] * 41 + [0.0] * 240)
+    assert math.isclose(relaxed[-1].memory.headroom, learnt - 0.1)
+
+
 def test_the_capacity_learnt_under_a_backlog_holds_the_replicas_the_arrivals_need() -> None:
     # Once the backlog is gone the capacity (28/s) is remembered: 20/s on each of 2 pods, with
     # empty queues and little KV (0.1 / 0.5), still needs 40 / 28 = 1.4 -> 2 replicas, not 1.

@@ -3,6 +3,7 @@ the first would have; stale, foreign or unreadable memories are dropped."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -55,6 +56,20 @@ def test_an_operator_that_takes_over_decides_as_the_single_operator_would() -> N
             assert (decision.replicas, decision.reason) == (single[i].replicas, single[i].reason), (failover, i)
             history, memory, replicas = decision.history, decision.memory, decision.replicas
             patches.append({control_memory.FIELD: {"autoscaler": control_memory.encoded_autoscaler(decision, now)}})
+
+
+def test_the_headroom_learnt_survives_and_one_written_before_it_or_by_hand_stays_in_bounds() -> None:
+    decision = autoscaler.decide(POLICY, 2, ["p0", "p1"], 0, reading(1000.0, (0.5, 0), (0.5, 0)), (), 1000.0,
+                                 autoscaler.Memory(headroom=1.3, backlog_since=700.0))
+    decision = dataclasses.replace(decision, memory=dataclasses.replace(decision.memory, backlog_since=700.0))
+    part = control_memory.encoded_autoscaler(decision, 1000.0)
+    restored = control_memory.restored_autoscaler(status_after([{control_memory.FIELD: {"autoscaler": part}}]),
+                                                  POLICY, now=1015.0)
+    assert restored is not None and (restored[1].headroom, restored[1].backlog_since) == (decision.memory.headroom, 700.0)
+    for written, taken in ((None, 1.0), (0.2, 1.0), (9.0, autoscaler.HEADROOM_MAX)):
+        edited = {**part, "headroom": written} if written is not None else {k: v for k, v in part.items() if k != "headroom"}
+        restored = control_memory.restored_autoscaler({control_memory.FIELD: {"autoscaler": edited}}, POLICY, now=1015.0)
+        assert restored is not None and restored[1].headroom == taken
 
 
 def saved(at: float) -> dict[str, Any]:

@@ -64,6 +64,20 @@ def test_an_engine_that_can_still_scale_is_left_to_the_autoscaler() -> None:
     assert decisions[0].reason == "ScalingOut"
 
 
+def test_a_queue_while_replicas_start_is_short_capacity_even_below_max_replicas() -> None:
+    """The replicas asked for are minutes from serving: priority meanwhile, fcfs once none starts
+    and the autoscaler could add more."""
+    decisions, state = [], tuner.TunerState()
+    for index, starting in enumerate([0, 2, 2, 0]):
+        decision = tuner.decide_policy(spec(), can_scale=True, queue_depths=[9.0, 7.0], previous=state,
+                                       now=1000.0 + index * INTERVAL, starting=starting)
+        decisions.append(decision)
+        state = decision.state
+    assert [d.reason for d in decisions] == ["ScalingOut", "PressureBuilding", "QueueAboveTarget", "QueueAboveTarget"]
+    assert policies(decisions) == ["fcfs", "fcfs", "priority", "priority"]
+    assert decisions[2].message == "8 waiting requests per replica (target 5) for 2 intervals, and 2 replicas still starting"
+
+
 def test_queue_exactly_at_target_is_not_pressure() -> None:
     at_target = ([5.0, 5.0], False)
     assert policies(timeline(spec(), [at_target] * 4)) == ["fcfs"] * 4

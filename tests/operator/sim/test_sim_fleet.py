@@ -108,6 +108,18 @@ def test_the_auto_tuner_gives_the_interactive_tenant_a_lower_ttft_p99_than_fcfs_
     assert auto["ttft_p99_s_by_tenant"]["interactive"] < fcfs["ttft_p99_s_by_tenant"]["interactive"]
 
 
+def test_the_auto_tuner_puts_the_interactive_tenant_first_while_the_flood_waits_for_replicas():
+    """Autoscaled below maxReplicas: the flood's queue builds on the replica ready while the ones
+    asked for start, and under priority the interactive trickle no longer waits behind it."""
+    load = trace.two_tenant(20, 1800, 256, 128, seed=5)
+    settings = strategies.Settings(max_replicas=8)
+    fcfs, auto = (run(load, name, settings, priorities=[-1, 0]) for name in ("kvpilot", "kvpilot+auto"))
+    assert not any(fcfs.series.priority) and any(auto.series.priority)
+    interactive = load.tenant == 0
+    late = [np.count_nonzero(interactive & ~(r.first_token - load.time <= 1.0)) for r in (fcfs, auto)]
+    assert late[1] < late[0] / 2
+
+
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="unknown strategy 'hpa'"):
         strategies.build("hpa", strategies.Settings(), initial=1, peak=1, mean=1)

@@ -1,11 +1,12 @@
 """The autoscaler's sizing against the rate-sized references (planners.py): the reference scalers
-alone, then kvpilot beside oracle-reactive on a flash crowd (counts and ratios of the run, no
-clock)."""
+alone, then kvpilot beside oracle-reactive on a flash crowd, and its headroom on long requests
+(counts and ratios of the run, no clock)."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvpilot.operator import autoscaler
 from kvpilot.operator.sim import fleet, planners, profile, report, strategies, trace
 
 H200 = profile.BUILTIN["h200-llama-8b"]
@@ -87,3 +88,25 @@ def test_a_crowd_of_long_requests_is_met_within_the_targets_of_oracle_reactive(l
     assert long_crowd["sizes"]["peak"] == 21 and kvpilot["max_replicas"] <= 1.2 * 21
     assert kvpilot["replica_hours"] <= 1.1 * oracle["replica_hours"]
     assert kvpilot["slo_attainment"] >= oracle["slo_attainment"] - 0.03
+
+
+def test_backlogs_that_stand_on_long_requests_placed_at_random_teach_a_headroom(monkeypatch) -> None:
+    """6,000 tokens out on the 70B profile, a Service's random placement: at the capacity it
+    measures, the fleet keeps replicas whose KV cache filled and whose queues stand. Learning a
+    headroom from them (HEADROOM_STEP) leaves fewer requests late than sizing at the capacity."""
+    load = trace.poisson(3, 7200, 1000, 6000, seed=1)
+    engine = fleet.Engine(request_timeout_seconds=600.0)
+    chosen = profile.BUILTIN["h200-llama-70b-fp8"]
+    settings = strategies.Settings(max_replicas=40)
+    sizes = fleet.sizes(load, chosen, engine, settings.target_kv_cache_usage)
+
+    def late_and_headroom() -> tuple[int, float]:
+        loop = strategies.build("kvpilot", settings, initial=sizes.initial, peak=sizes.peak, mean=sizes.mean)
+        run = fleet.simulate(load, loop, chosen, engine)
+        return int((~(run.first_token - load.time <= 2.0)).sum()), loop.memory.headroom
+
+    learnt_late, learnt = late_and_headroom()
+    monkeypatch.setattr(autoscaler, "HEADROOM_STEP", 0.0)
+    flat_late, flat = late_and_headroom()
+    assert flat == 1.0 and learnt > 1.0
+    assert learnt_late < flat_late / 1.5
