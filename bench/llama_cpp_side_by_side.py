@@ -1,10 +1,12 @@
 """kvpilot against llama.cpp's `llama-server` on the same GGUF file, driven by the same client.
 
 `kvpilot serve FILE` and `llama-server -m FILE` (the same thread count, `--parallel` slots with
-room for every prompt and its output) run one after the other; `kvpilot bench serve`'s client
-sends each the same random-token completions with `ignore_eos`, at every concurrency asked for.
-Each run must have generated exactly the token counts asked for, or the script stops: a server
-that ends early would otherwise look fast.
+room for every prompt and its output) are both up, and serve in turns: each round sends each
+server the same random-token completions with `ignore_eos` through `kvpilot bench serve`'s client,
+at every concurrency asked for, the first server alternating from round to round. A shared VM's
+speed drifts by as much as 2x within minutes, so a ratio is taken within each round, and the
+report gives their median and range. Each run must have generated exactly the token counts asked
+for, or the script stops: a server that ends early would otherwise look fast.
 
     .venv/bin/python scripts/build_llama_server.py SDIST_DIR   # once, ~10 minutes on 2 cores
     .venv/bin/python bench/llama_cpp_side_by_side.py [--model FILE] [--llama-server BIN]
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import subprocess
 import tempfile
 import time
@@ -62,11 +65,11 @@ def _built_llama_server() -> Path | None:
     return built[-1] if built else None
 
 
-def measure(base_url: str, model: str, concurrency: int, args: argparse.Namespace) -> dict:
+def measure(base_url: str, model: str, concurrency: int, round_: int, args: argparse.Namespace) -> dict:
     config = ServeBenchConfig(base_url=base_url, model=model, ignore_eos=True, max_concurrency=concurrency)
-    # Prompts of their own per concurrency: llama-server keeps earlier prompts' KV in host memory
-    # (--cache-ram), and a run must not start from another's cache.
-    requests = random_dataset(args.num_prompts, args.input_len, args.output_len, seed=concurrency)
+    # Prompts of their own per round and concurrency: llama-server keeps earlier prompts' KV in
+    # host memory (--cache-ram), and a run must not start from another's cache.
+    requests = random_dataset(args.num_prompts, args.input_len, args.output_len, seed=1000 * round_ + concurrency)
     result = benchmark_result(config, requests, {}, progress=False)
     expected = args.num_prompts * args.output_len
     if result["failed"] or result["total_output_tokens"] != expected:
@@ -82,7 +85,8 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=_built_llama_server(),
                         help="llama-server binary (default: the one built in .cache/llama.cpp/)")
     parser.add_argument("--stand-in", action="store_true", help="a second kvpilot server as the peer")
-    parser.add_argument("--num-prompts", type=positive_int, default=64)
+    parser.add_argument("--num-prompts", type=positive_int, default=16, help="completions per server, round and concurrency")
+    parser.add_argument("--rounds", type=positive_int, default=4)
     parser.add_argument("--input-len", type=positive_int, default=128, help="random words per prompt")
     parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--concurrencies", default="1,16")
@@ -99,36 +103,51 @@ def main() -> None:
     report = BenchReport(__file__, args.output_dir, args.threads, ROOT)
     peer_name = "kvpilot (stand-in peer)" if args.stand_in else "llama.cpp"
 
-    results: dict[str, dict[int, dict]] = {}
-    with local_server(str(args.model), "--served-model-name", "bench",
-                      env={"OMP_NUM_THREADS": str(args.threads)}) as url:
-        results["kvpilot"] = {c: measure(url, "bench", c, args) for c in concurrencies}
     if not args.stand_in:
         peer = llama_server(args.llama_server, args.model, "bench", args.threads, max(concurrencies),
                             args.input_len * 8 + args.output_len)
     else:
         peer = local_server(str(args.model), "--served-model-name", "bench",
                             env={"OMP_NUM_THREADS": str(args.threads)})
-    with peer as url:
-        results[peer_name] = {c: measure(url, "bench", c, args) for c in concurrencies}
+    runs: dict[str, dict[int, list[dict]]] = {"kvpilot": {c: [] for c in concurrencies},
+                                              peer_name: {c: [] for c in concurrencies}}
+    with contextlib.ExitStack() as servers:
+        urls = {"kvpilot": servers.enter_context(local_server(str(args.model), "--served-model-name", "bench",
+                                                              env={"OMP_NUM_THREADS": str(args.threads)})),
+                peer_name: servers.enter_context(peer)}
+        for round_ in range(args.rounds):
+            for c in concurrencies:
+                for name in (list(urls) if round_ % 2 == 0 else list(urls)[::-1]):
+                    runs[name][c].append(measure(urls[name], "bench", c, round_, args))
+
+    def ratios(c: int, key: str) -> list[float]:
+        return sorted(ours[key] / theirs[key] for ours, theirs in zip(runs["kvpilot"][c], runs[peer_name][c]))
+
+    def median_of(c: int, name: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[name][c])
 
     rows = []
     for c in concurrencies:
-        ours, theirs = results["kvpilot"][c], results[peer_name][c]
-        rows.append([str(c), *(f"{ours[k]:.1f} / {theirs[k]:.1f} = {ours[k] / theirs[k]:.2f}x" for k, _ in METRICS)])
-    table = markdown_table(["concurrency", *(f"{label}, kvpilot / {peer_name}" for _, label in METRICS)], rows)
-    body = (f"File: {args.model}. {args.num_prompts} completions per run ({args.input_len} random words in, "
-            f"{args.output_len} out with ignore_eos), {args.threads} threads per server, one server at a time."
-            f"\n\n{table}")
+        cells = []
+        for key, _ in METRICS:
+            within = ratios(c, key)
+            cells.append(f"{median_of(c, 'kvpilot', key):.1f} / {median_of(c, peer_name, key):.1f}; "
+                         f"**{statistics.median(within):.2f}x** ({within[0]:.2f}-{within[-1]:.2f}x)")
+        rows.append([str(c), *cells])
+    table = markdown_table(["concurrency", *(f"{label}, kvpilot / {peer_name} (medians); ratio within a round: "
+                                             "median (range)" for _, label in METRICS)], rows)
+    body = (f"File: {args.model}. Per server, round and concurrency: {args.num_prompts} completions "
+            f"({args.input_len} random words in, {args.output_len} out with ignore_eos); {args.rounds} rounds, "
+            f"{args.threads} threads per server, both servers up, one serving at a time.\n\n{table}")
     headline = f"kvpilot / {peer_name}: " + "; ".join(
-        f"output tok/s at concurrency {c} {results['kvpilot'][c]['output_throughput'] / results[peer_name][c]['output_throughput']:.2f}x"
-        f", median TTFT {results['kvpilot'][c]['median_ttft_ms'] / results[peer_name][c]['median_ttft_ms']:.2f}x"
-        for c in concurrencies)
+        f"output tok/s at concurrency {c} {statistics.median(ratios(c, 'output_throughput')):.2f}x"
+        f", median TTFT {statistics.median(ratios(c, 'median_ttft_ms')):.2f}x"
+        for c in concurrencies) + " (medians of the rounds' ratios)"
     figure = line_figure(report.output_path("output_throughput.png"),
-                         {name: [(c, runs[c]["output_throughput"]) for c in concurrencies]
-                          for name, runs in results.items()},
+                         {name: [(c, statistics.median(run["output_throughput"] for run in by_c[c]))
+                                 for c in concurrencies] for name, by_c in runs.items()},
                          xlabel="concurrency", ylabel="output tok/s", title=f"kvpilot and {peer_name}, same file")
-    report.write(body, [figure], {"results": {name: {str(c): r for c, r in runs.items()} for name, runs in results.items()}},
+    report.write(body, [figure], {"rounds": {name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()}},
                  headline)
 
 

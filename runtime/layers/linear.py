@@ -38,6 +38,8 @@ def _owned(shard: PackedWeight) -> PackedWeight:
 
 def _packed_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """x [..., cols] @ weight.T for float32 x (the loader keeps packed weights only in float32 models)."""
+    if x.dim() == 2 and x.stride(1) == 1:  # a step's rows as the layers pass them: no reshapes
+        return quant_matmul(x, weight)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     return quant_matmul(flat, weight).reshape(*x.shape[:-1], weight.rows)
 

@@ -53,7 +53,7 @@ TINY_ARGS = {
     "router_overhead.py": ["--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--max-concurrency", "2",
                            "--repetitions", "1", "--idle-window", "0.1"],
     # The peer is a second kvpilot server (the report names it so): no llama-server build in tests.
-    "llama_cpp_side_by_side.py": ["--stand-in", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+    "llama_cpp_side_by_side.py": ["--stand-in", "--num-prompts", "2", "--rounds", "2", "--input-len", "4", "--output-len", "3",
                                   "--concurrencies", "1,2", "--threads", "1"],
     # Pipeline and tensor parallelism on two ranks, and the bytes across a network namespace (as root).
     "pipeline_parallel.py": ["--batches", "2", "--new-tokens", "2", "--repetitions", "1"],

@@ -26,8 +26,9 @@ from kvpilot.runtime.core.sched.output import NewRequestData, SchedulerOutput
 from kvpilot.runtime.tiny_model import make_tiny_model
 
 # On the code before the fix, each parametrization below failed within its first two runs (the
-# issue's reproduction alone failed 2 runs in 6 with each process's random hash seed).
-RUNS_PER_WORKLOAD = 5
+# issue's reproduction alone failed 2 runs in 6 with each process's random hash seed); the
+# fingerprint check fails a diverging layout even in a run whose tokens come out right.
+RUNS_PER_WORKLOAD = 3
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
