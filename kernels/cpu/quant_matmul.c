@@ -437,11 +437,11 @@ INLINE void unit_dot(const int t, const int M, const struct problem *p, const ui
     }
 }
 
-/* Decode shape: weight rows [r0, r1), for M (<= GEMV_MAX_M) rows of x. With one or two rows of
- * x, two weight rows go together: their multiply-adds are independent chains, each unit's x is
- * loaded once for both, and a row's fixed costs (its reduction, its store) are shared. Past two,
- * the x rows' own chains keep the multiply-adds apart, and a second weight row's accumulators
- * would no longer fit in the vector registers. */
+/* Decode shape: weight rows [r0, r1), for M (<= GEMV_MAX_M) rows of x. With one row of x, two
+ * weight rows go together: their multiply-adds are independent chains, and each unit's x is
+ * loaded once for both. From two rows of x on, the x rows' own chains keep the multiply-adds
+ * apart, and a second weight row's accumulators spilled out of the vector registers (slower at
+ * two rows of x on AVX2). */
 INLINE void gemv_rows(const int t, const int M, const struct problem *p, int64_t r0, int64_t r1)
 {
     enum { MAX_TOGETHER = 2 };
