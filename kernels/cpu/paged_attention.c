@@ -145,8 +145,9 @@ static inline __attribute__((always_inline)) float row_at(const void *row, const
     return bf16 ? bf16_to_float(((const uint16_t *)row)[at]) : ((const float *)row)[at];
 }
 
-/* The sum of the lanes, by halving: a tree, not a chain of dependent adds, and in registers
- * where the compiler has __builtin_shufflevector (clang, gcc 12+); through memory otherwise. */
+/* The sum of the lanes, by halving: a tree, not a chain of dependent adds; in registers at 16
+ * lanes where the compiler has __builtin_shufflevector (clang, gcc 12+), through memory
+ * otherwise (at 8 lanes a decode sums its scores with sum_lanes_of_each instead). */
 static inline float sum_lanes(vec v) {
 #if LANES == 16 && (defined(__clang__) || __GNUC__ >= 12)
     const half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
