@@ -88,10 +88,11 @@ async def query(client: httpx.AsyncClient, expr: str, at: float) -> list[dict[st
     return answer["data"]["result"]
 
 
-async def answers_counted(url: str, answers: int) -> bool:
+async def scraped(url: str, expr: str, value: float) -> bool:
+    """Whether Prometheus's latest value of the one-series `expr` is `value`."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        result = await query(client, 'sum(kvpilot:http_responses_total{component="router"})', time.time())
-    return bool(result) and not isinstance(result, str) and float(result[0]["value"][1]) == answers
+        result = await query(client, expr, time.time())
+    return bool(result) and not isinstance(result, str) and float(result[0]["value"][1]) == value
 
 
 def finite(result: list[dict[str, Any]]) -> bool:
@@ -130,8 +131,13 @@ def test_every_dashboard_and_alert_query_finds_the_fleets_data(tiny_llama_dir: P
                     statuses = await load(kubelet.router.base_url)
                     assert set(statuses) == {200, 429} and statuses[200] > CLIENTS, statuses
                     # Once Prometheus has scraped the last answer, the router's count is the clients'.
-                    await eventually(lambda: answers_counted(prometheus.url, sum(statuses.values())),
+                    await eventually(lambda: scraped(prometheus.url, 'sum(kvpilot:http_responses_total{component="router"})',
+                                                     sum(statuses.values())),
                                      "Prometheus to scrape every answer the clients got")
+                    # The engine is scraped on its own clock: on a slow machine its last scrape could
+                    # still show the load's queue, which the queue alert reads.
+                    await eventually(lambda: scraped(prometheus.url, "sum(vllm:num_requests_waiting)", 0),
+                                     "Prometheus to see the engine's queue empty")
                     await check_queries(prometheus.url, time.time())
                     if FIGURE:
                         await draw(prometheus.url, started, time.time(), Path(FIGURE))
