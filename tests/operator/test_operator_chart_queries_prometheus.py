@@ -131,8 +131,8 @@ def test_every_dashboard_and_alert_query_finds_the_fleets_data(tiny_llama_dir: P
                     statuses = await load(kubelet.router.base_url)
                     assert set(statuses) == {200, 429} and statuses[200] > CLIENTS, statuses
                     # Once Prometheus has scraped the last answer, the router's count is the clients'.
-                    await eventually(lambda: scraped(prometheus.url, 'sum(kvpilot:http_responses_total{component="router"})',
-                                                     sum(statuses.values())),
+                    answered = 'sum(kvpilot:http_responses_total{component="router"})'
+                    await eventually(lambda: scraped(prometheus.url, answered, sum(statuses.values())),
                                      "Prometheus to scrape every answer the clients got")
                     # The engine is scraped on its own clock: on a slow machine its last scrape could
                     # still show the load's queue, which the queue alert reads.
