@@ -1,6 +1,6 @@
 /* The decode step's small ops for a CPU, float32, each one pass over its rows instead of several
- * torch ops: RMSNorm (with the residual add before it), the rotary embedding, the KV cache write,
- * and the greedy argmax over the logits.
+ * torch ops: RMSNorm (with the residual add before it), the rotary embedding, the gated MLP's
+ * activation, the KV cache write, and the greedy argmax over the logits.
  *
  * Built by build.py; called through fused_ops.py, which checks dtypes and layouts. Every tensor
  * comes as a pointer plus its row strides (in elements); the last dimension is contiguous.
@@ -76,6 +76,20 @@ int rotary_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t toke
         }
     }
     return 0;
+}
+
+/* out[r, j] = silu(x[r, j]) * x[r, width + j] for each row r of x [rows, 2 * width]: the gated
+ * MLP's activation of its fused gate and up projections. */
+void silu_and_mul_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t rows,
+                      int64_t width, int threads)
+{
+    #pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_MIN && threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * x_stride, *up = gate + width;
+        float *dst = out + r * out_stride;
+        for (int64_t j = 0; j < width; j++)
+            dst[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
 }
 
 /* Copies row t of k and of v (row_size elements of element_size bytes each) into slot slots[t] of

@@ -1,10 +1,10 @@
 """The decode step's small ops in C (fused_ops.c), float32: RMSNorm (fused with the residual add),
-the rotary embedding, the KV cache write and the greedy argmax.
+the rotary embedding, the gated MLP's activation, the KV cache write and the greedy argmax.
 
 The model runs them when the attention backend is `cpu`: one call each instead of the torch
 path's several ops (each a dispatch and a pass over memory, which at decode sizes costs more
-than the arithmetic). Their torch references are the layers' own torch paths, `index_copy_` and
-`torch.argmax` (which on a CPU tracks its index in scalar code: ~20x slower than `amax`).
+than the arithmetic). Their torch references are the layers' own torch paths, `F.silu(gate) * up`,
+`index_copy_` and `torch.argmax` (which on a CPU tracks its index in scalar code: ~20x slower than `amax`).
 The checks here run on every call, so they are kept to plain comparisons.
 """
 
@@ -22,21 +22,23 @@ KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    library = load("fused_ops")
+def library() -> ctypes.CDLL:
+    """The built library, its entry points typed (the C layer stack calls them by address too)."""
+    built = load("fused_ops")
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    library.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]
-    library.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i32]
-    library.kv_cache_write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    library.argmax_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
-    library.rms_norm_f32.restype = library.argmax_f32.restype = None
-    library.rotary_f32.restype = library.kv_cache_write.restype = ctypes.c_int
-    return library
+    built.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]
+    built.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i32]
+    built.kv_cache_write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    built.argmax_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    built.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    built.rms_norm_f32.restype = built.argmax_f32.restype = built.silu_and_mul_f32.restype = None
+    built.rotary_f32.restype = built.kv_cache_write.restype = ctypes.c_int
+    return built
 
 
 def build() -> None:
     """Compiles (or finds in the cache) and loads the library now; raises KernelBuildError."""
-    _library()
+    library()
 
 
 def _rows_ok(tensor: torch.Tensor, dims: int) -> bool:
@@ -58,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         if not (_rows_ok(x, 2) and _rows_ok(weight, 1) and weight.shape[0] == x.shape[1]):
             _refuse_rms_norm(x, weight, residual)
         out = torch.empty(x.shape, dtype=x.dtype)
-        _library().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), None, 0,
+        library().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), None, 0,
                                 weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return out
     # The decoder layers' call, twice per layer: contiguous tensors (as every projection's output
@@ -74,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     else:
         _refuse_rms_norm(x, weight, residual)
     ptr = x.data_ptr()
-    _library().rms_norm_f32(ptr, x_stride, ptr, x_stride, residual.data_ptr(), residual_stride, weight.data_ptr(),
+    library().rms_norm_f32(ptr, x_stride, ptr, x_stride, residual.data_ptr(), residual_stride, weight.data_ptr(),
                             x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return x
 
@@ -100,11 +102,23 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor
     if positions.dtype != torch.int64 or positions.dim() != 1 or positions.stride(0) != 1 \
             or positions.shape[0] != x.shape[0]:
         raise ValueError("positions must be a contiguous int64 vector, one entry per token of x")
-    if _library().rotary_f32(
+    if library().rotary_f32(
         x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], half, positions.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0], torch.get_num_threads(),
     ):
         raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rotary tables' length)")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * width] (gate, then up) -> silu(gate) * up [T, width], in a new tensor."""
+    if not (_rows_ok(x, 2) and x.shape[1] % 2 == 0):
+        _check_rows("x", x, 2)
+        raise ValueError(f"x must hold the gate and up halves side by side (an even width), got {x.shape[1]}")
+    width = x.shape[1] // 2
+    out = torch.empty(x.shape[0], width, dtype=x.dtype)
+    library().silu_and_mul_f32(out.data_ptr(), width, x.data_ptr(), x.stride(0), x.shape[0], width,
+                                torch.get_num_threads())
+    return out
 
 
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -128,7 +142,7 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != k.shape[:1]:
         raise ValueError("slot_mapping must be a contiguous int64 vector, one entry per row of k")
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if _library().kv_cache_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), key_cache.data_ptr(),
+    if library().kv_cache_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), key_cache.data_ptr(),
                                  value_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row_size,
                                  k.element_size(), num_slots):
         raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the caches' slots)")
@@ -141,5 +155,5 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] == 0:
         raise ValueError("argmax of an empty row")
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _library().argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    library().argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

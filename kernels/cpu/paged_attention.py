@@ -33,13 +33,14 @@ def bind(library: ctypes.CDLL, dtype: torch.dtype = torch.float32):
 
 
 @functools.cache
-def _kernel(dtype: torch.dtype):
+def entry_point(dtype: torch.dtype):
+    """This source's entry point for dtype, typed (the C layer stack calls it by address too)."""
     return bind(load("paged_attention"), dtype)
 
 
 def build() -> None:
     """Compiles (or finds in the cache) and loads the kernel now; raises KernelBuildError."""
-    _kernel(torch.float32)
+    entry_point(torch.float32)
 
 
 def paged_attention(
@@ -73,7 +74,7 @@ def paged_attention(
             and query_start_loc.shape == (num_reqs + 1,) and block_tables.dim() == 2
             and block_tables.shape[0] >= num_reqs):
         _refuse(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
-    status = (kernel or _kernel(q.dtype))(
+    status = (kernel or entry_point(q.dtype))(
         out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
         block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),

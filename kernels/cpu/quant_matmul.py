@@ -247,6 +247,11 @@ def _default_kernel():
     return _kernel(chosen_isa())
 
 
+def matmul_entry_point():
+    """The matmul's entry point at the chosen level, typed (the C layer stack calls it by address)."""
+    return _default_kernel().matmul
+
+
 def _check_operands(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None) -> None:
     if not (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] == weight.cols
             and (x.stride(1) == 1 or x.shape[1] <= 1)):

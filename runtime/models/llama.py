@@ -7,14 +7,21 @@ tokens belong to which request.
 The forwards call their submodules' `forward` directly: `nn.Module.__call__` checks for hooks on
 every call, and at decode sizes that bookkeeping (12 calls per layer per step) costs as much as a
 layer's small ops. No hook is ever registered on these modules.
+
+On the `cpu` backend, a float32 model of packed weights runs its decoder layers as one C call
+when a step has few tokens (kernels/cpu/layer_stack.py): the same kernels in the same order,
+without a layer's dozen Python calls in between. The layer-by-layer path is its reference.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels.cpu import layer_stack
 from kvpilot.kernels.cpu.quant_matmul import PackedWeight
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.distributed import is_first_stage, is_last_stage, pp_rank, pp_size, stage_layers, tp_size
@@ -27,6 +34,8 @@ from kvpilot.runtime.layers.linear import (
 )
 from kvpilot.runtime.layers.norm import RMSNorm
 from kvpilot.runtime.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
@@ -63,16 +72,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: str = "torch") -> None:
+        """`kernels`: the attention backend's name, as for RMSNorm (its C activation on "cpu")."""
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=False, dtype=config.torch_dtype
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, dtype=config.torch_dtype)
+        self._silu_and_mul = None
+        if kernels == "cpu" and config.torch_dtype == torch.float32:
+            from kvpilot.kernels.cpu.fused_ops import silu_and_mul
+
+            self._silu_and_mul = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj.forward(x)
+        if self._silu_and_mul is not None:
+            return self.down_proj.forward(self._silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
 
@@ -80,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, backend.name)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, backend.name)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype,
                                                 backend.name)
@@ -103,6 +121,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.kernels = backend.name
+        # The C layer stack, once built over the bound KV caches; `_stack_refused` says why it cannot be.
+        self._stack = None
+        self._stack_refused: str | None = None if backend.name == "cpu" else "the attention backend is not 'cpu'"
         # The attention backend brings its family's other kernels along (RoPE and the fused
         # RMSNorm: Triton's, or the C ones of the cpu backend).
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -134,11 +156,63 @@ class LlamaForCausalLM(nn.Module):
         residual stream to hand on instead: (hidden, residual). A stage after the first starts
         from the `stream` its predecessor handed on."""
         hidden, residual = (self.embed_tokens.forward(input_ids), None) if stream is None else stream
-        for layer in self.own_layers:
-            hidden, residual = layer.forward(positions, hidden, residual, metadata)
+        stack = self._layer_stack(len(input_ids))
+        if stack is not None:
+            hidden, residual = stack.run(hidden, residual, positions, metadata.slot_mapping, metadata.block_tables,
+                                         metadata.query_start_loc, metadata.seq_lens)
+        else:
+            for layer in self.own_layers:
+                hidden, residual = layer.forward(positions, hidden, residual, metadata)
         if self.norm is None:
             return hidden, residual
         return self.norm.forward(hidden, residual)[0]
+
+    def _layer_stack(self, num_tokens: int):
+        """The C layer stack where it runs a step of num_tokens, else None: built on first use over
+        the bound KV caches (rebuilt if they are bound anew), and refused once, with the reason
+        logged, where the model cannot use it."""
+        if self._stack_refused is not None or num_tokens > layer_stack.MAX_TOKENS or not self.own_layers:
+            return None
+        cache = self.own_layers[0].self_attn.attn.kv_cache
+        if cache.numel() == 0:
+            return None  # no caches bound yet
+        if self._stack is None or not self._stack.serves(cache[0]):
+            self._stack_refused = self._why_no_layer_stack()
+            if self._stack_refused is not None:
+                logger.info("decoder layers run one by one: %s", self._stack_refused)
+                return None
+            self._stack = layer_stack.LayerStack(self._stack_model(), [self._stack_layer(layer)
+                                                                       for layer in self.own_layers])
+            logger.info("decode steps of up to %d tokens run the %d decoder layers as one C call",
+                        layer_stack.MAX_TOKENS, len(self.own_layers))
+        return self._stack
+
+    def _why_no_layer_stack(self) -> str | None:
+        if self.config.torch_dtype != torch.float32:
+            return f"the model runs {self.config.torch_dtype}, and the C layer stack float32"
+        if tp_size() > 1:
+            return "tensor parallelism all-reduces between the layers' kernels"
+        linears = [module for module in self.modules() if isinstance(module, (ColumnParallelLinear, RowParallelLinear))]
+        if any(linear.lora is not None for linear in linears):
+            return "LoRA adapters add their products between the kernels"
+        if any(linear.packed is None for linear in linears):
+            return "the weights are float, and the C layer stack multiplies packed ones"
+        return next(filter(None, (layer_stack.why_not_stackable(self._stack_layer(layer)) for layer in self.own_layers)),
+                    None)
+
+    def _stack_model(self) -> layer_stack.StackModel:
+        attention = self.own_layers[0].self_attn
+        return layer_stack.StackModel(
+            self.config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
+            self.config.intermediate_size, self.config.rms_norm_eps, attention.rotary.cos, attention.rotary.sin)
+
+    @staticmethod
+    def _stack_layer(layer: LlamaDecoderLayer) -> layer_stack.StackLayer:
+        attention, mlp = layer.self_attn, layer.mlp
+        return layer_stack.StackLayer(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attention.qkv_proj.packed,
+            attention.qkv_proj.bias, attention.o_proj.packed, attention.o_proj.bias, mlp.gate_up_proj.packed,
+            mlp.down_proj.packed, *attention.attn.kv_cache.unbind(0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

@@ -1,5 +1,5 @@
-"""The C RMSNorm and rotary embedding (kernels/cpu/fused_ops.c) against the layers' torch paths,
-and greedy generation with them against generation on the torch path."""
+"""The C RMSNorm, rotary embedding and MLP activation (kernels/cpu/fused_ops.c) against the layers'
+torch paths, and greedy generation with them against generation on the torch path."""
 
 from __future__ import annotations
 
@@ -67,6 +67,18 @@ def test_rotary_is_bitwise_the_torch_path_on_the_fused_qkv_view():
         positions, qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), heads)
     # Bitwise, the values (v) beyond the rotated heads included, which stay as they were.
     assert torch.equal(qkv, expected)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1536), (3, 17), (40, 2048)])
+def test_silu_and_mul_matches_the_torch_mlp_activation(rows, width):
+    # Gates past +-88 take expf to its limits (0 and infinity in the denominator).
+    x = torch.randn(rows, 2 * width, generator=_gen(width)) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = x.chunk(2, dim=-1)
+    # expf and torch's vectorised exp may differ in the last bit.
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="even width"):
+        fused_ops.silu_and_mul(torch.randn(2, 5))
 
 
 def test_bad_inputs_are_refused_before_any_write():

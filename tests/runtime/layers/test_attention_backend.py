@@ -33,10 +33,10 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(build.CC_ENV, str(tmp_path / "no-such-cc"))
     build.load.cache_clear()
-    cpu_kernel._kernel.cache_clear()
+    cpu_kernel.entry_point.cache_clear()
     yield
     build.load.cache_clear()
-    cpu_kernel._kernel.cache_clear()
+    cpu_kernel.entry_point.cache_clear()
 
 
 def test_auto_falls_back_to_torch_and_says_why(no_compiler, caplog):
