@@ -57,11 +57,14 @@ enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8, NUM_TYPES };
 #define PREFETCH_ROWS 6
 #define TILE_ROWS 8
 #define TILE_COLS 1536
+/* The tiled shape's register block: MR rows of x by NR weight rows, one native vector of each
+ * per step. AVX-512's 32 registers hold 4 x 4 accumulators; the 16 of AVX2 and SSE 4 x 2 (8
+ * accumulators, 4 rows of x, 2 of weights), where six loads feed eight multiply-adds. */
 #if defined(__AVX512F__)
 #define MR 4
 #define NR 4
 #else
-#define MR 2
+#define MR 4
 #define NR 2
 #endif
 /* Below this many multiply-adds a parallel region costs more than it saves. */
@@ -181,17 +184,22 @@ INLINE vf affine(vf q, float scale, float offset)
 }
 
 /* The lanes' sum, halving: three dependent adds for eight lanes where a running sum takes seven. */
-INLINE float hsum(vf v)
+INLINE float hsum_native(vn s)
 {
-    vn s = v.part[0];
-    for (int i = 1; i < PARTS; i++)
-        s += v.part[i];
     float lanes[NATIVE];
     memcpy(lanes, &s, sizeof lanes);
     for (int width = NATIVE / 2; width >= 1; width /= 2)
         for (int i = 0; i < width; i++)
             lanes[i] += lanes[i + width];
     return lanes[0];
+}
+
+INLINE float hsum(vf v)
+{
+    vn s = v.part[0];
+    for (int i = 1; i < PARTS; i++)
+        s += v.part[i];
+    return hsum_native(s);
 }
 
 /* Q4_K / Q5_K: the j-th of 8 six-bit (scale, min) pairs packed into 12 bytes. */
@@ -486,7 +494,7 @@ INLINE void tile_rows(const int t, const struct problem *p, int64_t r0)
     float scratch[TILE_ROWS * TILE_COLS] __attribute__((aligned(64)));
     const int64_t nt = p->rows - r0 < TILE_ROWS ? p->rows - r0 : TILE_ROWS;
     for (int64_t k0 = 0; k0 < p->cols; k0 += TILE_COLS) {
-        const int64_t kc = p->cols - k0 < TILE_COLS ? p->cols - k0 : TILE_COLS, vec_end = kc / VW * VW;
+        const int64_t kc = p->cols - k0 < TILE_COLS ? p->cols - k0 : TILE_COLS, vec_end = kc / NATIVE * NATIVE;
         for (int64_t n = 0; n < nt; n++)
             dequantize_span(t, p, r0 + n, k0, kc, scratch + n * TILE_COLS);
         for (int64_t m0 = 0; m0 < p->m; m0 += MR) {
@@ -497,23 +505,23 @@ INLINE void tile_rows(const int t, const struct problem *p, int64_t r0)
                 const float *ws[NR];
                 for (int j = 0; j < NR; j++)
                     ws[j] = scratch + (n0 + j < nt ? n0 + j : nt - 1) * TILE_COLS;
-                vf acc[MR][NR];
+                vn acc[MR][NR];
                 for (int i = 0; i < MR; i++)
                     for (int j = 0; j < NR; j++)
-                        acc[i][j] = zero();
-                for (int64_t k = 0; k < vec_end; k += VW) {
-                    vf xv[MR], wv[NR];
+                        acc[i][j] = (vn){0};
+                for (int64_t k = 0; k < vec_end; k += NATIVE) {
+                    vn xv[MR], wv[NR];
                     for (int i = 0; i < MR; i++)
-                        xv[i] = load(xs[i] + k);
+                        xv[i] = *(const vn_unaligned *)(xs[i] + k);
                     for (int j = 0; j < NR; j++)
-                        wv[j] = load(ws[j] + k);
+                        wv[j] = *(const vn_unaligned *)(ws[j] + k);
                     for (int i = 0; i < MR; i++)
                         for (int j = 0; j < NR; j++)
-                            acc[i][j] = multiply_add(acc[i][j], xv[i], wv[j]);
+                            acc[i][j] += xv[i] * wv[j];
                 }
                 for (int i = 0; i < MR && m0 + i < p->m; i++)
                     for (int j = 0; j < NR && n0 + j < nt; j++) {
-                        float sum = hsum(acc[i][j]);
+                        float sum = hsum_native(acc[i][j]);
                         for (int64_t k = vec_end; k < kc; k++)
                             sum += xs[i][k] * ws[j][k];
                         float *o = p->out + (m0 + i) * p->out_stride + r0 + n0 + j;
