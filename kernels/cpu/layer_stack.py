@@ -120,14 +120,13 @@ class LayerStack:
             reason = why_not_stackable(layer)
             if reason:
                 raise ValueError(f"layer {i} cannot run in the C layer stack: {reason}")
-        self._layers = layers  # the tensors the structs point into, kept alive here
-        cache = layers[0].key_cache
-        self._cache = cache
+        # The tensors the structs point into, kept alive with them.
+        self._tensors = (model, layers)
+        cache = self._first_key_cache = layers[0].key_cache
         self._model = _Model(
             model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
             cache.shape[1], cache.shape[0] * cache.shape[1], model.rms_norm_eps, model.head_dim**-0.5,
             model.cos.data_ptr(), model.sin.data_ptr(), model.cos.stride(0), model.cos.shape[0])
-        self._tables = (model.cos, model.sin)
         self._structs = (_Layer * len(layers))(*(_Layer(
             layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), _linear(layer.qkv, layer.qkv_bias),
             _linear(layer.o, layer.o_bias), _linear(layer.gate_up, None), _linear(layer.down, None),
@@ -152,7 +151,7 @@ class LayerStack:
     def serves(self, key_cache: torch.Tensor) -> bool:
         """Whether the stack was built over this first-layer key cache (the engine binds the caches
         after the model is built)."""
-        return key_cache.data_ptr() == self._cache.data_ptr()
+        return key_cache.data_ptr() == self._first_key_cache.data_ptr()
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
