@@ -60,7 +60,7 @@ class _Step(ctypes.Structure):
                 *((name, _ptr) for name in ("qkv", "attn", "gate_up", "act"))]
 
 
-_OPS = {1: "the packed matmul", 2: "the rotary embedding (a position outside its tables)",
+_OPS = {1: "the packed matmul (status 2: out of memory)", 2: "the rotary embedding (a position outside its tables)",
         3: "the KV cache write (a slot outside the cache)", 4: "paged attention"}
 
 

@@ -226,7 +226,9 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None
         dequantized = _scratch(weight.rows, weight.cols)
         kernels.dequantize(*weight.kernel_args, dequantized.data_ptr(), weight.cols, threads)
         return torch.mm(x, dequantized.T, out=out)
-    kernels.matmul(*weight.kernel_args, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0), threads)
+    if kernels.matmul(*weight.kernel_args, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
+                      threads):
+        raise MemoryError(f"the quantized matmul could not allocate a transposed copy of x {list(x.shape)}")
     return out
 
 
