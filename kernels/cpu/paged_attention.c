@@ -492,7 +492,9 @@ static int paged_attention(
         .block_tables = block_tables, .query_start_loc = query_start_loc, .seq_lens = seq_lens,
         .block_tables_stride = block_tables_stride, .num_kv_heads = num_kv_heads, .group = group,
         .head_dim = head_dim, .block_size = block_size, .num_heads = num_heads, .tile_queries = max_rows / group,
-        .wide_tile_queries = max_rows / num_heads, /* 0: too many heads for one item */
+        /* 0: too many heads for one item; or fewer requests than threads (one stream decoding),
+         * where items of one KV head each give every thread work. */
+        .wide_tile_queries = num_reqs < num_threads ? 0 : max_rows / num_heads,
         .scale_log2 = scale * LOG2E,
     };
     int64_t num_items = 0;
