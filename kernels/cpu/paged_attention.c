@@ -44,29 +44,6 @@
 
 enum { OK = 0, BAD_HEADS = 1, BAD_HEAD_DIM = 2, OUT_OF_MEMORY = 3 };
 
-/* 2**x for x <= 0: a power of two from the exponent bits times a degree-7 Taylor polynomial on
- * [-0.5, 0.5] (relative error ~5e-9, below float32's rounding). Below -126 it returns 2**-126,
- * whose weight is nothing next to the running max's 1. */
-#pragma omp declare simd
-static inline float exp2_nonpositive(float x) {
-    x = x < -126.0f ? -126.0f : x;
-    /* Adding and subtracting 1.5 * 2**23 rounds to the nearest integer in float arithmetic. */
-    float n = (x + 12582912.0f) - 12582912.0f;
-    float t = (x - n) * 0.6931471805599453f;
-    float p = 1.0f / 5040.0f;
-    p = p * t + 1.0f / 720.0f;
-    p = p * t + 1.0f / 120.0f;
-    p = p * t + 1.0f / 24.0f;
-    p = p * t + 1.0f / 6.0f;
-    p = p * t + 0.5f;
-    p = p * t + 1.0f;
-    p = p * t + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float power;
-    memcpy(&power, &bits, sizeof power);
-    return p * power;
-}
-
 typedef struct {
     const void *q, *key_cache, *value_cache; /* float32, or bfloat16 (uint16_t) in the bf16 entry */
     void *out;
@@ -111,17 +88,20 @@ static inline vec load(const float *from) {
 
 static inline void store(float *to, vec v) { memcpy(to, &v, sizeof v); }
 
-/* exp2_nonpositive on LANES lanes, operation for operation: bitwise its results. Written out
- * because `omp simd` left the softmax's loop over it scalar (a quarter of a decode's time). */
 typedef int32_t lane_ints __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 static inline vec select_lanes(const lane_ints mask, const vec yes, const vec no) {
     return (vec)((mask & (lane_ints)yes) | (~mask & (lane_ints)no));
 }
 
-static inline vec exp2_nonpositive_lanes(vec x) {
+/* 2**x for x <= 0: a power of two from the exponent bits times a degree-7 Taylor polynomial on
+ * [-0.5, 0.5] (relative error ~5e-9, below float32's rounding). Below -126 it returns 2**-126,
+ * whose weight is nothing next to the running max's 1. Lane by lane in explicit vectors: `omp simd`
+ * over a scalar version left the softmax's loop scalar (a quarter of a decode's time). */
+static inline vec exp2_nonpositive(vec x) {
     const vec lowest = (vec){0} - 126.0f;
     x = select_lanes(x < lowest, lowest, x);
+    /* Adding and subtracting 1.5 * 2**23 rounds to the nearest integer in float arithmetic. */
     const vec n = (x + 12582912.0f) - 12582912.0f;
     const vec t = (x - n) * 0.6931471805599453f;
     vec p = (vec){0} + 1.0f / 5040.0f;
@@ -435,10 +415,10 @@ static inline __attribute__((always_inline)) void attend_tile_dim(
             for (int l = 1; l < LANES; l++) chunk_max = maxes[l] > chunk_max ? maxes[l] : chunk_max;
             const float old_max = w->running_max[r];
             const float new_max = chunk_max > old_max ? chunk_max : old_max;
-            const float correction = exp2_nonpositive(old_max - new_max);
+            const float correction = exp2_nonpositive((vec){0} + (old_max - new_max))[0];
             for (int64_t j = 0; j < KEY_CHUNK; j += LANES)
                 store(scores + j, select_lanes(index + (int32_t)j < (int32_t)visible,
-                                               exp2_nonpositive_lanes(load(scores + j) - new_max), (vec){0}));
+                                               exp2_nonpositive(load(scores + j) - new_max), (vec){0}));
             vec sums = load(scores);
             for (int64_t j = LANES; j < KEY_CHUNK; j += LANES) sums += load(scores + j);
             const float chunk_sum = sum_lanes(sums);
