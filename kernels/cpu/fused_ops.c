@@ -78,6 +78,43 @@ int rotary_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t toke
     return 0;
 }
 
+/* One machine register of floats (GNU C vector extensions), and as many int32 lanes. */
+#if defined(__AVX512F__)
+typedef float lanes_f32 __attribute__((vector_size(64)));
+#elif defined(__AVX__)
+typedef float lanes_f32 __attribute__((vector_size(32)));
+#else
+typedef float lanes_f32 __attribute__((vector_size(16)));
+#endif
+typedef int32_t lanes_i32 __attribute__((vector_size(sizeof(lanes_f32))));
+#define LANES ((int64_t)(sizeof(lanes_f32) / sizeof(float)))
+
+static inline lanes_f32 select_lanes(const lanes_i32 mask, const lanes_f32 yes, const lanes_f32 no)
+{
+    return (lanes_f32)((mask & (lanes_i32)yes) | (~mask & (lanes_i32)no));
+}
+
+/* e**x lane by lane, within a few float32 roundings of expf (libm's is a scalar call per
+ * element, most of a decode's MLP activation): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in
+ * two so that n ln2's high part is exact), a degree-7 Taylor polynomial for e**r, and 2**n from
+ * the exponent bits. x is clamped to [-87, 88], where 2**n stays a normal float: beyond, silu's
+ * quotient is 0 or x within float32's precision. */
+static inline lanes_f32 exp_lanes(lanes_f32 x)
+{
+    const lanes_f32 low = (lanes_f32){0} - 87.0f, high = (lanes_f32){0} + 88.0f;
+    x = select_lanes(x < low, low, x);
+    x = select_lanes(x > high, high, x);
+    /* Adding and subtracting 1.5 * 2**23 rounds to the nearest integer in float arithmetic. */
+    const lanes_f32 n = (x * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
+    const lanes_f32 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    /* Horner's rule over the coefficients 1 / 7!, ..., 1 / 1!, 1 / 0!. */
+    static const float taylor[] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    lanes_f32 p = (lanes_f32){0} + taylor[0];
+    for (int i = 1; i < 8; i++) p = p * r + taylor[i];
+    const lanes_i32 bits = (__builtin_convertvector(n, lanes_i32) + 127) << 23;
+    return p * (lanes_f32)bits;
+}
+
 /* out[r, j] = silu(x[r, j]) * x[r, width + j] for each row r of x [rows, 2 * width]: the gated
  * MLP's activation of its fused gate and up projections. */
 void silu_and_mul_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t rows,
@@ -87,7 +124,15 @@ void silu_and_mul_f32(float *out, int64_t out_stride, const float *x, int64_t x_
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * x_stride, *up = gate + width;
         float *dst = out + r * out_stride;
-        for (int64_t j = 0; j < width; j++)
+        int64_t j = 0;
+        for (; j + LANES <= width; j += LANES) {
+            lanes_f32 g, u;
+            memcpy(&g, gate + j, sizeof g);
+            memcpy(&u, up + j, sizeof u);
+            const lanes_f32 v = g / (1.0f + exp_lanes(-g)) * u;
+            memcpy(dst + j, &v, sizeof v);
+        }
+        for (; j < width; j++)
             dst[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
 }

@@ -104,14 +104,10 @@ static inline vec exp2_nonpositive(vec x) {
     /* Adding and subtracting 1.5 * 2**23 rounds to the nearest integer in float arithmetic. */
     const vec n = (x + 12582912.0f) - 12582912.0f;
     const vec t = (x - n) * 0.6931471805599453f;
-    vec p = (vec){0} + 1.0f / 5040.0f;
-    p = p * t + 1.0f / 720.0f;
-    p = p * t + 1.0f / 120.0f;
-    p = p * t + 1.0f / 24.0f;
-    p = p * t + 1.0f / 6.0f;
-    p = p * t + 0.5f;
-    p = p * t + 1.0f;
-    p = p * t + 1.0f;
+    /* Horner's rule over the coefficients 1 / 7!, ..., 1 / 1!, 1 / 0!. */
+    static const float taylor[] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    vec p = (vec){0} + taylor[0];
+    for (int i = 1; i < 8; i++) p = p * t + taylor[i];
     const lane_ints bits = (__builtin_convertvector(n, lane_ints) + 127) << 23;
     return p * (vec)bits;
 }
