@@ -1,5 +1,5 @@
 """The fleet simulator at scale: BENCHMARKS.md's day of a thousand replicas (the diurnal trace at
-140 requests/s, 1,000 + 6,000 tokens, the 70B FP8 profile, kvpilot+auto), in CPU time.
+140 requests/s, 1,000 + 6,000 tokens, the 70B FP8 profile, kvpilot), in CPU time.
 
 By default it runs slices of that day (--slices: `night`, its first 20 minutes; `midday`, 300 s
 from t = 40,000 s, started cold at the replicas the slice needs) with the simulator of this
@@ -35,7 +35,7 @@ PROFILE = profile.BUILTIN["h200-llama-70b-fp8"]
 ENGINE = fleet.Engine(max_num_seqs=256, max_num_batched_tokens=8192, request_timeout_seconds=600.0,
                       startup_seconds=120.0)
 SETTINGS = strategies.Settings(max_replicas=1000)
-STRATEGY = "kvpilot+auto"
+STRATEGY = "kvpilot"
 TTFT_SLO = 2.0
 
 

@@ -1,5 +1,5 @@
-"""The policy tuner of `scheduling.policy: auto`: queue readings -> the engines' live scheduling
-policy. Pure: no I/O, and the clock is a parameter.
+"""The policy tuner of `scheduling.policy: auto` (the CRD's default): queue readings -> the
+engines' live scheduling policy. Pure: no I/O, and the clock is a parameter.
 
 An engine runs `fcfs` while it copes. When its queue per replica stays above
 `autoscaling.targetQueueDepth` for PRESSURE_INTERVALS consecutive intervals and no replica can

@@ -80,7 +80,9 @@ class PolicyTuning:
         if self._reconciler.as_applied(wanted):
             return  # its watch would have said if it changed since
         current = await self._reconciler.read_child(kube.path_of(wanted))
-        if current is None or current.get("data") != wanted["data"]:
+        # A missing one is the reconcile pass's to create, with its Created Event, from the policy
+        # status records: an engine's first interval may come before its first pass.
+        if current is not None and current.get("data") != wanted["data"]:
             await self._reconciler.apply_child(wanted)
 
     async def _bring_pods_in_line(

@@ -103,10 +103,10 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     control.add_argument("--strategies", type=_strategy_list, metavar="S1,S2,...",
                          help="from static-peak, static-mean, oracle-reactive (knows the coming interval's rate), "
                               "ttft-planner (Dynamo-style: the last interval's rate over the profile's capacity), "
-                              "hpa-rps (an HPA on requests/s per replica), queue-only, kv-only, kvpilot, each also "
-                              "with +auto "
-                              "(the policy tuner on); the autoscaled three also with +zero (minReplicas 0: scale "
-                              "to zero, which needs a router), as in kvpilot+zero or kvpilot+zero+auto; "
+                              "hpa-rps (an HPA on requests/s per replica), queue-only, kv-only, kvpilot, each with "
+                              "scheduling.policy auto (the CRD's default: the policy tuner on) and each also with "
+                              "+fcfs (fcfs pinned); the autoscaled three also with +zero (minReplicas 0: scale "
+                              "to zero, which needs a router), as in kvpilot+zero or kvpilot+zero+fcfs; "
                               "default: those without +zero")
     control.add_argument("--min-replicas", type=positive_int, default=1, help="of the strategies without +zero")
     control.add_argument("--max-replicas", type=positive_int, default=100)

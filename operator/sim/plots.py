@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpilot.operator.sim import strategies
+
 
 def _pyplot():
     import matplotlib
@@ -23,8 +25,8 @@ def timeline(series: Mapping[str, Mapping[str, list]], path: Path, title: str) -
     figure, (top, bottom) = pyplot.subplots(2, 1, sharex=True, figsize=(11, 7))
     for name, s in series.items():
         hours = [t / 3600 for t in s["time"]]
-        # A tuned strategy dashed over its untuned twin, which it often matches.
-        style = "--" if name.endswith("+auto") else "-"
+        # A pinned-fcfs strategy dashed over its tuned twin, which it often matches.
+        style = "--" if name.endswith(strategies.PINNED) else "-"
         (line,) = top.plot(hours, [r + st for r, st in zip(s["ready"], s["starting"])], style, label=name,
                            linewidth=1)
         bottom.plot(hours, s["waiting"], style, color=line.get_color(), linewidth=1)

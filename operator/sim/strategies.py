@@ -15,8 +15,9 @@ only in the spec they carry:
 - `static-peak`, `static-mean`: autoscaling off, a fixed count;
 - `oracle-reactive`, `ttft-planner`, `hpa-rps`: sized from the request rate (planners.py), under
   the autoscaler's stabilization windows and bounds;
-and each with `+auto`: `scheduling.policy: auto`, the policy tuner on (otherwise `fcfs`). The
-autoscaled ones also come with `+zero` (before any `+auto`): `minReplicas: 0`, scaling to zero
+each with `scheduling.policy: auto`, the CRD's default (the policy tuner on), and each also with
+`+fcfs`: `fcfs` pinned, the tuner off. The
+autoscaled ones also come with `+zero` (before any `+fcfs`): `minReplicas: 0`, scaling to zero
 after `scaleToZeroAfterSeconds` idle; the CRD allows it only with routing, which holds the
 requests that arrive at zero.
 """
@@ -33,10 +34,10 @@ from kvpilot.operator.sim import planners
 
 BASES = ("static-peak", "static-mean", *planners.NAMES, "queue-only", "kv-only", "kvpilot")
 AUTOSCALED = ("queue-only", "kv-only", "kvpilot")
-TUNED = "+auto"
+PINNED = "+fcfs"
 TO_ZERO = "+zero"
-DEFAULTS = tuple(name + suffix for name in BASES for suffix in ("", TUNED))
-NAMES = (*DEFAULTS, *(name + TO_ZERO + suffix for name in AUTOSCALED for suffix in ("", TUNED)))
+DEFAULTS = tuple(name + suffix for name in BASES for suffix in ("", PINNED))
+NAMES = (*DEFAULTS, *(name + TO_ZERO + suffix for name in AUTOSCALED for suffix in ("", PINNED)))
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,9 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int,
     the autoscaled ones start from `initial` replicas; the planners need `rates`."""
     if name not in NAMES:
         raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}")
-    if name.removesuffix(TUNED) in planners.NAMES and rates is None:
+    if name.removesuffix(PINNED) in planners.NAMES and rates is None:
         raise ValueError(f"strategy {name!r} needs the trace's rates")
-    base, tuned = name.removesuffix(TUNED), name.endswith(TUNED)
+    base, pinned = name.removesuffix(PINNED), name.endswith(PINNED)
     base, to_zero = base.removesuffix(TO_ZERO), base.endswith(TO_ZERO)
     kv, queue = settings.target_kv_cache_usage, settings.target_queue_depth
     if base == "queue-only":
@@ -153,7 +154,7 @@ def build(name: str, settings: Settings, *, initial: int, peak: int, mean: int,
             "scaleToZeroAfterSeconds": settings.scale_to_zero_after_seconds,
             "backlogDrainSeconds": settings.backlog_drain_seconds,
         },
-        "scheduling": {"policy": tuner.AUTO if tuned else tuner.CALM_POLICY,
+        "scheduling": {"policy": tuner.CALM_POLICY if pinned else tuner.AUTO,
                        "calmWindowSeconds": settings.calm_window_seconds},
     }
     tuner_spec = {**spec, "autoscaling": {**spec["autoscaling"], "targetQueueDepth": settings.target_queue_depth}}

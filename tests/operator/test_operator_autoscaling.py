@@ -245,7 +245,9 @@ def test_without_autoscaling_a_scale_write_is_left_alone(tmp_path: Path) -> None
     async def scenario() -> None:
         async with cluster(tmp_path) as k, fake_metrics() as fake, operator(pod_metrics_url=fake.pod_url):
             await pods(k, fake, ["qwen-a", "qwen-b"], kv=1.0, waiting=50)
-            await created(k, spec_with(2, enabled=False))
+            # fcfs pinned: under auto, the default, the policy tuner reads the pods with autoscaling off too.
+            pinned = {**spec_with(2, enabled=False), "scheduling": {**SPEC["scheduling"], "policy": "fcfs"}}
+            await created(k, pinned)
             await k.scale("qwen", 3)
             await eventually(lambda: k.deployment("qwen")["spec"]["replicas"] == 3, "the Deployment to follow")
             await asyncio.sleep(3 * INTERVAL)

@@ -101,7 +101,7 @@ def test_design_defaults() -> None:
     spec = with_defaults({"spec": {}})["spec"]
     assert spec["replicas"] == 1
     assert spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1}
-    assert spec["scheduling"] == {"policy": "fcfs", "calmWindowSeconds": 300}
+    assert spec["scheduling"] == {"policy": "auto", "calmWindowSeconds": 300}
     assert spec["service"] == {"type": "ClusterIP", "port": 8000}
     assert spec["autoscaling"] == {
         "enabled": False, "minReplicas": 1, "targetKVCacheUsage": 0.8, "targetQueueDepth": 5,

@@ -459,9 +459,10 @@ def test_other_engines_and_foreign_deployments_are_left_alone(tmp_path: Path) ->
             await eventually(lambda: k.deployment("other"), "the other engine's Deployment")
             await k.roll_out("qwen")
             await eventually(lambda: phase_is(k, "Ready", 1), "Ready")
-            # Its own pass writes its status in its own time: qwen's rollout may be done first.
-            other_status = await eventually(lambda: k.engine("other").get("status"), "the other engine's status")
-            assert other_status["phase"] == "Pending"
+            # Its own pass writes its phase in its own time: qwen's rollout may be done first, and the
+            # policy tuner's interval may write status before it.
+            phase = await eventually(lambda: k.engine("other").get("status", {}).get("phase"), "the other engine's phase")
+            assert phase == "Pending"
 
     run(scenario())
 

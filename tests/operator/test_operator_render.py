@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from inference_engines import ADMIN_TOKEN, BATCH_KEY, CACHE_SALT, FULL_SPEC, PROD_KEY, TENANT_KEYS, engine, example
-from kvpilot.operator import naming, render
+from kvpilot.operator import naming, render, tuner
 
 GOLDEN = Path(__file__).parent / "golden"
 # Set to rewrite the golden files from the renderer; review the diff before committing it.
@@ -329,6 +329,20 @@ def test_auto_pods_start_with_the_policy_of_the_scheduling_config_map() -> None:
     assert {"name": "scheduling", "mountPath": "/var/run/kvpilot/scheduling", "readOnly": True} \
         in container["volumeMounts"]
     assert rendered["llama-scheduling"]["data"] == {"policy": "fcfs"}
+
+
+def test_an_engine_without_scheduling_is_left_to_the_policy_tuner() -> None:
+    bare = {key: value for key, value in FULL_SPEC.items() if key != "scheduling"}
+    obj = engine(bare)
+    (container,) = children(obj)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert _flag(container["args"], "--scheduling-policy-file") == "/var/run/kvpilot/scheduling/policy"
+    # A queue above target with no replica to add: the tuner, not a pinned policy, switches it.
+    state = tuner.initial_state(obj)
+    for interval in range(tuner.PRESSURE_INTERVALS):
+        decision = tuner.decide_policy(obj["spec"], can_scale=False, queue_depths=[50.0, 50.0], previous=state,
+                                       now=15.0 * interval)
+        state = decision.state
+    assert decision.policy == "priority"
 
 
 @pytest.mark.parametrize("pinned", ["fcfs", "priority"])

@@ -18,15 +18,15 @@ EXAMPLE = Path(__file__).parents[3] / "examples" / "sim" / "trace.csv"
 def test_a_run_writes_its_table_json_and_plots(tmp_path, capsys):
     result = tmp_path / "result.json"
     assert main(["simulate", "--trace", "two-tenant", "--rate", "10", "--duration", "600", "--max-replicas", "4",
-                 "--strategies", "static-mean,kvpilot+auto", "--result-json", str(result),
+                 "--strategies", "static-mean,kvpilot+fcfs", "--result-json", str(result),
                  "--plot-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| static-mean |" in table and "| kvpilot+auto |" in table and "TTFT p99 s interactive" in table
+    assert "| static-mean |" in table and "| kvpilot+fcfs |" in table and "TTFT p99 s interactive" in table
     written = json.loads(result.read_text())
-    assert [s["strategy"] for s in written["summaries"]] == ["static-mean", "kvpilot+auto"]
+    assert [s["strategy"] for s in written["summaries"]] == ["static-mean", "kvpilot+fcfs"]
     assert written["summaries"][1]["requests"] == sum(
         written["summaries"][1][k] for k in ("served", "dropped", "timed_out"))
-    assert len(written["series"]["kvpilot+auto"]["time"]) == 40
+    assert len(written["series"]["kvpilot+fcfs"]["time"]) == 40
     for png in ("timeline.png", "cost_vs_slo.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -28,7 +28,7 @@ def run(load: trace.Trace, name: str, settings: strategies.Settings, *, chosen: 
 
 def test_the_same_seed_gives_the_same_results_and_another_seed_does_not():
     settings = strategies.Settings(max_replicas=20)
-    first, second, other = (run(trace.two_tenant(20, 900, 256, 128, seed=seed), "kvpilot+auto", settings,
+    first, second, other = (run(trace.two_tenant(20, 900, 256, 128, seed=seed), "kvpilot", settings,
                                 priorities=[0, 1], seed=seed) for seed in (1, 1, 2))
     np.testing.assert_array_equal(first.first_token, second.first_token)
     np.testing.assert_array_equal(first.finish, second.finish)
@@ -102,7 +102,7 @@ def test_the_auto_tuner_gives_the_interactive_tenant_a_lower_ttft_p99_than_fcfs_
     load = trace.two_tenant(20, 1800, 256, 128, seed=5)
     settings = strategies.Settings(max_replicas=8)
     fcfs, auto = (report.summary(run(load, name, settings, priorities=[-1, 0]), 1.0)
-                  for name in ("static-mean", "static-mean+auto"))
+                  for name in ("static-mean+fcfs", "static-mean"))
     assert load.tenants == ("interactive", "batch")
     assert auto["replica_hours"] == fcfs["replica_hours"]
     assert auto["ttft_p99_s_by_tenant"]["interactive"] < fcfs["ttft_p99_s_by_tenant"]["interactive"]
@@ -113,7 +113,7 @@ def test_the_auto_tuner_puts_the_interactive_tenant_first_while_the_flood_waits_
     asked for start, and under priority the interactive trickle no longer waits behind it."""
     load = trace.two_tenant(20, 1800, 256, 128, seed=5)
     settings = strategies.Settings(max_replicas=8)
-    fcfs, auto = (run(load, name, settings, priorities=[-1, 0]) for name in ("kvpilot", "kvpilot+auto"))
+    fcfs, auto = (run(load, name, settings, priorities=[-1, 0]) for name in ("kvpilot+fcfs", "kvpilot"))
     assert not any(fcfs.series.priority) and any(auto.series.priority)
     interactive = load.tenant == 0
     late = [np.count_nonzero(interactive & ~(r.first_token - load.time <= 1.0)) for r in (fcfs, auto)]

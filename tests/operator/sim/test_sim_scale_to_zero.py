@@ -54,6 +54,8 @@ def test_a_request_held_past_the_hold_timeout_fails():
     assert np.isnan(result.first_token[1])
 
 
-def test_zero_combines_with_the_policy_tuner():
-    loop = strategies.build("kvpilot+zero+auto", SETTINGS, initial=1, peak=1, mean=1)
-    assert loop.spec["autoscaling"]["minReplicas"] == 0 and loop.spec["scheduling"]["policy"] == "auto"
+def test_zero_runs_the_policy_tuner_unless_fcfs_is_pinned():
+    tuned, pinned = (strategies.build(name, SETTINGS, initial=1, peak=1, mean=1)
+                     for name in ("kvpilot+zero", "kvpilot+zero+fcfs"))
+    assert tuned.spec["autoscaling"]["minReplicas"] == pinned.spec["autoscaling"]["minReplicas"] == 0
+    assert (tuned.spec["scheduling"]["policy"], pinned.spec["scheduling"]["policy"]) == ("auto", "fcfs")
