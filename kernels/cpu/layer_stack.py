@@ -148,10 +148,10 @@ class LayerStack:
         self._act = torch.empty(MAX_TOKENS, model.intermediate_size)
         self._status = ctypes.c_int()
 
-    def serves(self, key_cache: torch.Tensor) -> bool:
-        """Whether the stack was built over this first-layer key cache (the engine binds the caches
-        after the model is built)."""
-        return key_cache.data_ptr() == self._first_key_cache.data_ptr()
+    def serves(self, kv_cache: torch.Tensor) -> bool:
+        """Whether the stack was built over this first-layer KV cache [2, ...] (keys first; the
+        engine binds the caches after the model is built)."""
+        return kv_cache.data_ptr() == self._first_key_cache.data_ptr()
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,

@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         cache = self.own_layers[0].self_attn.attn.kv_cache
         if cache.numel() == 0:
             return None  # no caches bound yet
-        if self._stack is None or not self._stack.serves(cache[0]):
+        if self._stack is None or not self._stack.serves(cache):
             self._stack_refused = self._why_no_layer_stack()
             if self._stack_refused is not None:
                 logger.info("decoder layers run one by one: %s", self._stack_refused)
