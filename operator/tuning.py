@@ -57,8 +57,9 @@ class PolicyTuning:
                                        previous=self._states.get(key) or _restored(engine, interval.now),
                                        now=interval.now, starting=interval.starting)
         self._states[key] = decision.state
-        if not depths and not spec["autoscaling"]["enabled"]:
+        if not depths and interval.ready and not spec["autoscaling"]["enabled"]:
             # With autoscaling on, the autoscaler reports the reading's problems (MetricsAvailable).
+            # With no ready pod there is nothing to read yet (scaled to zero, or starting): no news.
             logger.warning(f"InferenceEngine {key[0]}/{key[1]}: no usable queue reading ({_unusable(interval)});"
                            f" keeping {decision.policy}")
         recorded = render.effective_scheduling_policy(engine)
@@ -122,4 +123,4 @@ def _unusable(interval: Interval) -> str:
         return reading.failure.message
     if reading.problems:
         return "; ".join(problem.message for problem in list(reading.problems.values())[:3])
-    return "no ready pod" if not interval.ready else "a sample is stale"
+    return "a sample is stale"

@@ -186,6 +186,11 @@ def test_without_autoscaling_an_unusable_reading_is_logged_and_changes_nothing(
                 for _ in range(3):
                     await loops.tick(harness.NAMESPACE, "qwen")
                 assert effective(k) == "fcfs"
+                # No ready pod (restarting, or scaled to zero) is nothing to read, not a bad reading.
+                await k.set_ready("qwen-a", False)
+                for _ in range(3):
+                    await loops.tick(harness.NAMESPACE, "qwen")
+                assert effective(k) == "fcfs"
 
     with caplog.at_level("WARNING", logger="kvpilot.operator.tuning"):
         harness.run(scenario())
