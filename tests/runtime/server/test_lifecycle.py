@@ -31,7 +31,10 @@ def _socket_folders(pid: int) -> set[Path]:
     """The folders of the unix sockets process `pid` has open (its ZMQ ipc endpoints)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed since the listing (a request's connection, say)
+            continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
     folders = set()
