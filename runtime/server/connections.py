@@ -83,6 +83,11 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+                # asyncio sets this only on sockets made with proto=IPPROTO_TCP, which ours is not.
+                # With Nagle's algorithm on, the write after a response's head waits for the
+                # client's ACK, and on a reused keep-alive connection the client delays it (up to
+                # 40 ms): every request there but the first got its first token that much later.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._header_timer = self.loop.call_later(header_timeout_s, self._head_overdue)
 
         def handle_events(self) -> None:

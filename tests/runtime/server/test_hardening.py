@@ -7,6 +7,7 @@ secret at the end.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -14,8 +15,11 @@ import time
 
 import httpx
 import pytest
+import uvicorn
 
-from kvpilot.runtime.server.connections import OBSERVATION_RESERVE
+from kvpilot.runtime.server.connections import OBSERVATION_RESERVE, guarded_protocol
+from kvpilot.runtime.server.launcher import bound_socket
+from kvpilot.runtime.server.limits import ServerLimits
 
 from server_harness import (
     HTTP_TIMEOUT_S,
@@ -401,3 +405,30 @@ def test_no_secret_reaches_the_log(server, http, tenants_file):
     assert "POST /v1/completions" in log  # the access log is on, so the test can fail
     leaked = [secret for secret in SECRETS if secret in log]
     assert not leaked, f"secrets in the log: {leaked}"
+
+
+def test_accepted_connections_send_without_waiting_for_the_clients_ack():
+    """TCP_NODELAY on every connection the launched server accepts. Without it, on a reused
+    keep-alive connection, the write after a response's head waited for the client's delayed ACK
+    (up to 40 ms) before the first token went out."""
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def scenario() -> list[int]:
+        with bound_socket("127.0.0.1", 0) as sock:
+            config = uvicorn.Config(app, http=guarded_protocol(ServerLimits()), lifespan="off", log_level="warning")
+            server = uvicorn.Server(config)
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as client:
+                assert (await client.get("/")).status_code == 204
+                options = [protocol.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                           for protocol in server.server_state.connections]
+            server.should_exit = True
+            await serving
+        return options
+
+    assert asyncio.run(scenario()) == [1]
