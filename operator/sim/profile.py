@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -50,12 +50,6 @@ class Profile:
             raise ValueError(f"profile {self.name}: frontend_s must be non-negative")
         if self.num_gpu_blocks < 1 or self.block_size < 1:
             raise ValueError(f"profile {self.name}: num_gpu_blocks and block_size must be positive")
-
-    def stretched(self, factor: float) -> Profile:
-        """Every step cost `factor` times longer: the same work with 1 / factor of a core."""
-        return replace(self, base_s=self.base_s * factor, per_token_s=self.per_token_s * factor,
-                       per_sequence_s=self.per_sequence_s * factor,
-                       per_context_token_s=self.per_context_token_s * factor)
 
     def step_seconds(self, tokens: float, sequences: float, context: float) -> float:
         return (self.base_s + self.per_token_s * tokens + self.per_sequence_s * sequences

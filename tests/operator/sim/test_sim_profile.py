@@ -14,13 +14,10 @@ PROFILE = Profile("test", "made up", base_s=0.01, per_token_s=1e-4, per_context_
                   per_sequence_s=2e-3, cpu_share=0.8)
 
 
-def test_a_stretched_profile_takes_that_much_longer_per_step(tmp_path):
-    slower = PROFILE.stretched(2.5)
-    for tokens, sequences, context in [(1, 1, 10), (512, 3, 900), (32, 32, 4096)]:
-        assert slower.step_seconds(tokens, sequences, context) == pytest.approx(
-            2.5 * PROFILE.step_seconds(tokens, sequences, context))
-    slower.save(tmp_path / "profile.json")
-    assert Profile.load(tmp_path / "profile.json") == slower
+def test_a_step_costs_its_terms_and_a_saved_profile_loads_back_equal(tmp_path):
+    assert PROFILE.step_seconds(512, 3, 900) == pytest.approx(0.01 + 512e-4 + 3 * 2e-3 + 900e-6)
+    PROFILE.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json") == PROFILE
 
 
 def test_the_share_is_the_time_on_a_core_over_the_time_runnable():
