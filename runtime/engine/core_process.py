@@ -75,8 +75,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         # Imported here so that the API-server process, which only names this function as the
         # spawn target, never loads torch.
-        from kvpilot.runtime.engine.core import EngineCore
+        from kvpilot.runtime.engine.core import EngineCore, default_device
+        from kvpilot.runtime.worker import cpu_threads
 
+        if config.parallel.world_size == 1 and default_device().type == "cpu":
+            cpu_threads.set_engine_threads()  # the model runs in this process
         core = EngineCore(config)
         freeze_startup_heap()
         try:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing
-import os
 import queue
 import shutil
 import signal
@@ -44,7 +43,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvpilot.runtime.engine.parent_watch import kill_with_parent, remove_if_orphaned
 from kvpilot.runtime.lora.request import LoRARequest
-from kvpilot.runtime.worker import hosts
+from kvpilot.runtime.worker import cpu_threads, hosts
 from kvpilot.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -283,8 +282,7 @@ def run_worker(config: EngineConfig, rank: int, device_type: str, init_method: s
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # The ranks share the machine's cores; more threads each would only contend.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(local)))
+        cpu_threads.set_engine_threads(ranks=len(local))
     encoder = msgspec.msgpack.Encoder()
     control = None
     try:
