@@ -12,6 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from kvpilot.kernels.cpu import build
 from kvpilot.runtime import cli
 from kvpilot.runtime.models.default_model import DefaultModelError, default_model_path, ensure_default_model
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
@@ -46,8 +47,11 @@ def default_server(smollm2_gguf, tmp_path_factory):
     target = default_model_path(cache / "kvpilot")
     target.parent.mkdir(parents=True)
     os.link(smollm2_gguf, target)
+    # The C kernels stay where the other tests' servers keep them: under a fresh XDG_CACHE_HOME they
+    # would all be compiled again, which is not what this test is about.
     server = start_server(None, tmp_path_factory.mktemp("default-server"), "--max-model-len", "1024",
-                          env={"XDG_CACHE_HOME": str(cache), "PIP_NO_INDEX": "1"})
+                          env={"XDG_CACHE_HOME": str(cache), "PIP_NO_INDEX": "1",
+                               build.CACHE_ENV: str(build.cache_dir())})
     yield server
     server.stop()
 
