@@ -33,10 +33,8 @@ import torch
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.argtypes import positive_int
 from kvpilot.runtime.benchmarks import netns
-from kvpilot.runtime.benchmarks.plot import line_figure
 from kvpilot.runtime.benchmarks.report import BenchReport, best_and_median, interleaved, markdown_table
 from kvpilot.runtime.config import EngineArgs
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # Larger than the shared bench model: a step long enough (~20 ms on one core) that the ranks'
@@ -146,6 +144,11 @@ def main() -> None:
     parser.add_argument("--repetitions", type=positive_int, default=3)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench/results/pipeline_parallel")
     args = parser.parse_args()
+    # Imported here, not at the top: every rank this script starts is spawned, and re-imports the
+    # script's top level; these two (transformers, matplotlib) only this process uses.
+    from kvpilot.runtime.benchmarks.plot import line_figure
+    from kvpilot.runtime.tiny_model import make_tiny_model
+
     report = BenchReport(__file__, args.output_dir, None, ROOT)
     model = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-pp-"), **MODEL_SHAPE))
 

@@ -40,6 +40,18 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def operator_calls(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str, str]]:
+    """The API rights the real operator used over a scenario that runs each of its code paths
+    (tests/operator/operator_api_calls.py): recorded once, for operator/rbac.yaml's test and for
+    the chart's RBAC test, since the scenario takes the operator ~20 s."""
+    # tests/operator is on sys.path for the tests that ask for this (pytest puts it there for its
+    # own tests; tests/packaging/conftest.py for the chart's).
+    from operator_api_calls import recorded_calls
+
+    return recorded_calls(tmp_path_factory.mktemp("rbac"))
+
+
+@pytest.fixture(scope="session")
 def make_peft_adapter() -> Callable[..., Path]:
     """`make_peft_adapter(base_dir, out_dir, seed=0, **lora_config)`: a PEFT LoRA adapter folder made
     on the checkpoint (rank 4, alpha 8 on q, v and down unless told), with random non-zero B matrices

@@ -96,6 +96,7 @@ def test_every_accepted_spec_renders_a_runnable_gpu_count() -> None:
     for (tensor, pipeline, nodes), limit, request in itertools.product(
             layouts, [UNSET, 0, 1, 2, 4, 8, "4", "1.5"], [UNSET, 1, 2, 4]):
         obj = engine(tensor, limit=limit, request=request, pipeline=pipeline, nodes=nodes)
+        accepted = errors(obj) == []
         ranks = tensor * pipeline // nodes
         for containers in _engine_containers(obj):
             resources = containers["resources"]
@@ -103,7 +104,7 @@ def test_every_accepted_spec_renders_a_runnable_gpu_count() -> None:
             rendered_request = resources.get("requests", {}).get(GPU)
             runnable = (rendered_limit.isdigit() and (int(rendered_limit) == 0 or int(rendered_limit) >= ranks)
                         and (rendered_request is None or str(rendered_request) == rendered_limit))
-            assert (errors(obj) == []) == runnable, (tensor, pipeline, nodes, limit, request, errors(obj))
+            assert accepted == runnable, (tensor, pipeline, nodes, limit, request, errors(obj))
 
 
 def _engine_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:

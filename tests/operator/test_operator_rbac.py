@@ -3,15 +3,13 @@ the real operator makes to the emulated API server in a scenario that runs each 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
 from crd_validation import REPO
 from inference_engines import FULL_SPEC, engine
 from kvpilot.operator import render
-from operator_api_calls import GRANTED_TO_ROUTERS, granted, recorded_calls
+from operator_api_calls import GRANTED_TO_ROUTERS, Right, granted
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -25,10 +23,9 @@ def test_rules_use_no_wildcards() -> None:
         assert set(rule) == {"apiGroups", "resources", "verbs"}, "namespaced rules only: no nonResourceURLs"
 
 
-def test_rules_cover_exactly_what_the_operator_calls(tmp_path: Path) -> None:
-    calls = recorded_calls(tmp_path)
-    assert calls - granted(RULES) == set(), "calls the rules do not allow"
-    assert granted(RULES) - calls == GRANTED_TO_ROUTERS, "rights the operator never uses"
+def test_rules_cover_exactly_what_the_operator_calls(operator_calls: set[Right]) -> None:
+    assert operator_calls - granted(RULES) == set(), "calls the rules do not allow"
+    assert granted(RULES) - operator_calls == GRANTED_TO_ROUTERS, "rights the operator never uses"
 
 
 def test_the_operator_holds_every_right_it_grants_the_routers() -> None:

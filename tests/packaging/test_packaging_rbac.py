@@ -10,7 +10,7 @@ import yaml
 
 from crd_validation import REPO
 from helm_cli import Helm
-from operator_api_calls import GRANTED_TO_ROUTERS, Right, granted, recorded_calls
+from operator_api_calls import GRANTED_TO_ROUTERS, Right, granted
 from packaging_support import FULL_NAMESPACE, FULL_VALUES
 
 OPERATOR_RULES = yaml.safe_load((REPO / "operator" / "rbac.yaml").read_text())
@@ -28,11 +28,6 @@ def roles(helm: Helm) -> list[dict[str, Any]]:
     ]
     assert sorted(role["kind"] for role in found) == ["ClusterRole", "Role", "Role"]
     return found
-
-
-@pytest.fixture(scope="module")
-def operator_calls(tmp_path_factory: pytest.TempPathFactory) -> set[Right]:
-    return recorded_calls(tmp_path_factory.mktemp("rbac"))
 
 
 def test_rules_are_the_operators_rules(roles: list[dict[str, Any]]) -> None:

@@ -61,8 +61,9 @@ class Workload(msgspec.Struct):
 
 
 @pytest.fixture(scope="module")
-def preemption_workload(tmp_path_factory) -> tuple[str, Workload]:
-    """The issue's reproduction: a qwen2 under a 30-block pool, priority policy, many preemptions."""
+def preemption_workload(tmp_path_factory) -> tuple[str, Workload, list[list[int]]]:
+    """The issue's reproduction: a qwen2 under a 30-block pool, priority policy, many preemptions;
+    with its expected tokens."""
     model_dir = make_tiny_model(tmp_path_factory.mktemp("stress-qwen2"), arch="qwen2", seed=11, num_layers=3,
                                 hidden_size=96, num_heads=4, num_kv_heads=2)
     workload = Workload(
@@ -71,13 +72,14 @@ def preemption_workload(tmp_path_factory) -> tuple[str, Workload]:
         prompts=_random_prompts([1, 3, 8, 9, 17, 31, 64, 100, 150], 512, seed=0),
         priorities=[2, 2, 2, 2, 0, 0, 1, 1, 0],
     )
-    return str(model_dir), workload
+    return str(model_dir), workload, _expected(str(model_dir), workload)
 
 
 @pytest.fixture(scope="module")
-def shared_prefix_workload(tmp_path_factory) -> tuple[str, Workload]:
+def shared_prefix_workload(tmp_path_factory) -> tuple[str, Workload, list[list[int]]]:
     """A llama with 4 query heads per KV head (24 / 6, so TP 2 and TP 3 both divide it), chunked
-    prefill, prefix caching over a shared prefix, and a pool small enough to preempt."""
+    prefill, prefix caching over a shared prefix, and a pool small enough to preempt; with its
+    expected tokens."""
     model_dir = make_tiny_model(tmp_path_factory.mktemp("stress-llama-gqa4"), arch="llama", seed=5, num_layers=2,
                                 hidden_size=192, num_heads=24, num_kv_heads=6)
     prefix = _random_prompts([40], 512, seed=7)[0]
@@ -86,7 +88,7 @@ def shared_prefix_workload(tmp_path_factory) -> tuple[str, Workload]:
                          long_prefill_token_threshold=16, enable_prefix_caching=True),
         prompts=_random_prompts([2, 9, 30, 57, 90, 5, 120, 16], 512, seed=8, prefix=prefix),
     )
-    return str(model_dir), workload
+    return str(model_dir), workload, _expected(str(model_dir), workload)
 
 
 def _generate(model_dir: str, workload: Workload, tensor_parallel_size: int = 1, **engine_args):
@@ -99,6 +101,8 @@ def _generate(model_dir: str, workload: Workload, tensor_parallel_size: int = 1,
 
 
 def _expected(model_dir: str, workload: Workload) -> list[list[int]]:
+    """transformers' greedy tokens, which one process (TP 1) must give too: worked out once per
+    workload, and shared by the module's tests of it."""
     oracle = HFOracle(model_dir)
     expected = [oracle.greedy(prompt)[0][:MAX_TOKENS] for prompt in workload.prompts]
     single, _ = _generate(model_dir, workload, tensor_parallel_size=1)
@@ -113,8 +117,7 @@ def _expected(model_dir: str, workload: Workload) -> list[list[int]]:
 ])
 def test_tensor_parallel_is_exact_run_after_run(request, distinct_rank_hash_seeds, workload_name,
                                                 tensor_parallel_size):
-    model_dir, workload = request.getfixturevalue(workload_name)
-    expected = _expected(model_dir, workload)
+    model_dir, workload, expected = request.getfixturevalue(workload_name)
     for run in range(RUNS_PER_WORKLOAD):
         tokens, stats = _generate(model_dir, workload, tensor_parallel_size)
         assert stats.num_preemptions > 0, "the workload must preempt to test recompute under TP"
@@ -125,8 +128,7 @@ def test_tensor_parallel_is_exact_run_after_run(request, distinct_rank_hash_seed
 def test_tensor_parallel_with_async_scheduling_is_exact(preemption_workload, distinct_rank_hash_seeds):
     """Async scheduling changes when the ranks get each step, never what they get: the layout
     check runs on every step, and the tokens are transformers' under preemption."""
-    model_dir, workload = preemption_workload
-    expected = _expected(model_dir, workload)
+    model_dir, workload, expected = preemption_workload
     for run in range(2):
         tokens, stats = _generate(model_dir, workload, 2, async_scheduling=True)
         assert stats.num_preemptions > 0
@@ -142,8 +144,7 @@ def test_tensor_parallel_with_async_scheduling_is_exact(preemption_workload, dis
 def test_pipeline_parallel_under_preemption_is_exact(preemption_workload, distinct_rank_hash_seeds, layout, stages):
     """Every stage applies the same SchedulerOutputs, preemptions and recomputes included; the last
     stage's tokens reach the first stage's batch before the next step (async: scheduled before)."""
-    model_dir, workload = preemption_workload
-    expected = _expected(model_dir, workload)
+    model_dir, workload, expected = preemption_workload
     tokens, stats = _generate(model_dir, workload, **layout)
     assert stats.num_preemptions > 0
     wrong = [i for i, (got, want) in enumerate(zip(tokens, expected)) if got != want]

@@ -4,7 +4,6 @@ examples through the real server and the official `openai` client."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -13,11 +12,11 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.runtime import cli
-from kvpilot.runtime.models.default_model import DefaultModelError, default_model_path, ensure_default_model
+from kvpilot.runtime.models.default_model import DefaultModelError, ensure_default_model
 from kvpilot.runtime.models.tokenizer_loader import load_tokenizer
 from kvpilot.runtime.server.chat_template import ChatTemplate
 
-from server_harness import HTTP_TIMEOUT_S, sse_events, start_server
+from server_harness import HTTP_TIMEOUT_S, sse_events
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -37,19 +36,6 @@ def _no_registry(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
-
-
-@pytest.fixture(scope="module")
-def default_server(smollm2_gguf, tmp_path_factory):
-    """The server with no model argument, over a user cache that already holds the model."""
-    cache = tmp_path_factory.mktemp("xdg-cache")
-    target = default_model_path(cache / "kvpilot")
-    target.parent.mkdir(parents=True)
-    os.link(smollm2_gguf, target)
-    server = start_server(None, tmp_path_factory.mktemp("default-server"), "--max-model-len", "1024",
-                          env={"XDG_CACHE_HOME": str(cache), "PIP_NO_INDEX": "1"})
-    yield server
-    server.stop()
 
 
 def test_the_readme_examples_answer_paris(default_server, capsys):

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_harness import HTTP_TIMEOUT_S, assert_openai_error, sse_events, start_server
+from server_harness import HTTP_TIMEOUT_S, assert_openai_error, sse_events
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -145,21 +145,11 @@ class Capital(BaseModel):
     continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
 
 
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_gguf, tmp_path_factory):
-    server = start_server(smollm2_gguf, tmp_path_factory.mktemp("smollm2-structured"), "--max-model-len", "512",
-                          "--served-model-name", "smollm2")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_langchain_with_structured_output_on_the_real_model(smollm2_server):
+def test_langchain_with_structured_output_on_the_real_model(default_server):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(base_url=f"{smollm2_server.base_url}/v1", api_key="unused", model="smollm2", temperature=0,
-                      max_tokens=96, timeout=HTTP_TIMEOUT_S, max_retries=0)
+    chat = ChatOpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", model="SmolLM2-135M-Instruct",
+                      temperature=0, max_tokens=96, timeout=HTTP_TIMEOUT_S, max_retries=0)
     answer = chat.with_structured_output(Capital, method="json_schema").invoke("What is the capital of France?")
     assert isinstance(answer, Capital)
     # A trained model, held to the schema, answers the question.
