@@ -26,7 +26,6 @@ import torch
 from kvpilot.runtime.config import EngineArgs, KVEventsConfig
 from kvpilot.runtime.engine.core import EngineCore
 from kvpilot.runtime.request import Request, SamplingParams
-from kvpilot.runtime.tiny_model import make_tiny_model
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
@@ -75,6 +74,13 @@ def _run(engine: EngineCore, prompts: list[list[int]], new_tokens: int, first_id
         engine.step()
 
 
+def _tiny_model() -> str:
+    # tiny_model imports transformers, seconds a run given --model does without.
+    from kvpilot.runtime.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: make-tiny-model's, whose steps are short)")
@@ -86,7 +92,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-")))
+    model_dir = args.model or _tiny_model()
     # Room for the running requests at full length, and a quarter of that again for cached blocks.
     num_blocks = args.max_num_seqs * (MAX_MODEL_LEN // BLOCK_SIZE) * 5 // 4
     engines = {mode: _engine(model_dir, num_blocks, args.max_num_seqs, events=mode == "on") for mode in ("on", "off")}

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from kvpilot.runtime.argtypes import positive_int
 from kvpilot.runtime.benchmarks.datasets import random_dataset
-from kvpilot.runtime.benchmarks.local_server import STARTUP_TIMEOUT_S, _free_port, _wait_healthy, local_server
+from kvpilot.runtime.benchmarks.local_server import (STARTUP_TIMEOUT_S, _free_port, _wait_healthy, local_server,
+                                                     local_servers)
 from kvpilot.runtime.benchmarks.plot import line_figure
 from kvpilot.runtime.benchmarks.report import BenchReport, markdown_table
 from kvpilot.runtime.benchmarks.serve import PER_REQUEST_FIELDS, ServeBenchConfig, benchmark_result
@@ -103,18 +104,17 @@ def main() -> None:
     report = BenchReport(__file__, args.output_dir, args.threads, ROOT)
     peer_name = "kvpilot (stand-in peer)" if args.stand_in else "llama.cpp"
 
-    if not args.stand_in:
-        peer = llama_server(args.llama_server, args.model, "bench", args.threads, max(concurrencies),
-                            args.input_len * 8 + args.output_len)
-    else:
-        peer = local_server(str(args.model), "--served-model-name", "bench",
-                            env={"OMP_NUM_THREADS": str(args.threads)})
+    flags, env = ["--served-model-name", "bench"], {"OMP_NUM_THREADS": str(args.threads)}
     runs: dict[str, dict[int, list[dict]]] = {"kvpilot": {c: [] for c in concurrencies},
                                               peer_name: {c: [] for c in concurrencies}}
     with contextlib.ExitStack() as servers:
-        urls = {"kvpilot": servers.enter_context(local_server(str(args.model), "--served-model-name", "bench",
-                                                              env={"OMP_NUM_THREADS": str(args.threads)})),
-                peer_name: servers.enter_context(peer)}
+        if args.stand_in:  # two kvpilot servers: started together, their start-ups overlap
+            ours, theirs = servers.enter_context(local_servers(str(args.model), flags, flags, env=env))
+        else:
+            ours = servers.enter_context(local_server(str(args.model), *flags, env=env))
+            theirs = servers.enter_context(llama_server(args.llama_server, args.model, "bench", args.threads,
+                                                        max(concurrencies), args.input_len * 8 + args.output_len))
+        urls = {"kvpilot": ours, peer_name: theirs}
         for round_ in range(args.rounds):
             for c in concurrencies:
                 for name in (list(urls) if round_ % 2 == 0 else list(urls)[::-1]):

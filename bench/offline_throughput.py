@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.benchmarks.bench_model import bench_model_dir
@@ -39,6 +38,10 @@ def _timed(fn):
 
 
 def _hf_model(model: str):
+    # transformers is imported where it is used: lora_mixed_batch.py and packed_weights.py import
+    # this module's helpers and never run it.
+    from transformers import AutoModelForCausalLM
+
     path = Path(model)
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -49,6 +52,8 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) 
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    from transformers import GenerationConfig
+
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=[], pad_token_id=pad_id)
     with torch.no_grad():

@@ -135,6 +135,13 @@ def predicted_bytes_per_step(config, layout: str, batch: int) -> int:
     return all_reduces * 2 * stream + batch * config.vocab_size * FLOAT32_BYTES
 
 
+def _make_model() -> str:
+    # transformers (which tiny_model imports) takes seconds to import: only without --model.
+    from kvpilot.runtime.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-pp-"), **MODEL_SHAPE))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help=f"a checkpoint folder (default: {DESCRIPTION})")
@@ -145,12 +152,11 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench/results/pipeline_parallel")
     args = parser.parse_args()
     # Imported here, not at the top: every rank this script starts is spawned, and re-imports the
-    # script's top level; these two (transformers, matplotlib) only this process uses.
+    # script's top level; matplotlib only this process uses.
     from kvpilot.runtime.benchmarks.plot import line_figure
-    from kvpilot.runtime.tiny_model import make_tiny_model
 
     report = BenchReport(__file__, args.output_dir, None, ROOT)
-    model = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="kvpilot-bench-pp-"), **MODEL_SHAPE))
+    model = args.model or _make_model()
 
     samples = step_times(model, args.batches, args.new_tokens, args.repetitions)
     medians = {name: best_and_median(values)[1] for name, values in samples.items()}

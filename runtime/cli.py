@@ -442,6 +442,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _check_lora_modules(modules: list[tuple[str, str]], engine_config, parser: argparse.ArgumentParser) -> None:
     """A usage error naming the adapter and the problem, before the engine starts, for an adapter
     of --lora-modules that does not fit the model."""
+    if not modules:  # lora.adapter loads torch, which the API-server process has no other use for
+        return
     from kvpilot.runtime.lora.adapter import LoRAAdapterError, load_adapter
 
     for name, path in modules:

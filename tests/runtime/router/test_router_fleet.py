@@ -33,18 +33,18 @@ def kv_events_config() -> str:
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("fleet")
-    with ThreadPoolExecutor(3) as pool:
-        replicas = list(pool.map(lambda _: start_server(tiny_llama_dir, workdir, "--served-model-name", "tiny",
-                                                        "--kv-events-config", kv_events_config()), range(3)))
     backends = workdir / "backends"
-    backends.write_text("".join(f"{r.base_url}\n" for r in replicas))
     # The bound on loads off: placed by their caches alone, two routers must agree on every turn.
     # With it, a stale load reading (a turn that ended since) moves a conversation now and then,
     # which one engine never does; tests/runtime/router/test_picking.py covers the bound.
-    routers = [start_server(tiny_llama_dir, workdir, "--backends-file", str(backends),
-                            "--bounded-load-factor", "1000", subcommand="router") for _ in range(2)]
-    round_robin = start_server(tiny_llama_dir, workdir, "--backends-file", str(backends),
-                               "--routing-strategy", "round-robin", subcommand="router")
+    router_flags = [("--bounded-load-factor", "1000")] * 2 + [("--routing-strategy", "round-robin")]
+    with ThreadPoolExecutor(3) as pool:
+        replicas = list(pool.map(lambda _: start_server(tiny_llama_dir, workdir, "--served-model-name", "tiny",
+                                                        "--kv-events-config", kv_events_config()), range(3)))
+        backends.write_text("".join(f"{r.base_url}\n" for r in replicas))
+        *routers, round_robin = pool.map(lambda flags: start_server(tiny_llama_dir, workdir, "--backends-file",
+                                                                    str(backends), *flags, subcommand="router"),
+                                         router_flags)
     everything = [*replicas, *routers, round_robin]
     for router in [*routers, round_robin]:
         wait_until(lambda: router.metric("kvpilot:router_kv_events_synced") == 3, timeout=60,
@@ -60,7 +60,7 @@ def fleet_hits(replicas) -> float:
 
 def test_multi_turn_conversations_are_answered_as_by_one_engine_with_its_prefix_hits(fleet):
     replicas, routers, round_robin = fleet
-    questions = conversation_questions(num_conversations=24, num_turns=4, words_per_turn=12, seed=0)
+    questions = conversation_questions(num_conversations=12, num_turns=4, words_per_turn=12, seed=0)
 
     def run(urls, salt):
         before = fleet_hits(replicas)

@@ -19,7 +19,7 @@ from kvpilot.runtime import cli
 from kvpilot.runtime.server import launcher
 from kvpilot.runtime.server.limits import ServerLimits
 
-from server_harness import HTTP_TIMEOUT_S, start_server
+from server_harness import HTTP_TIMEOUT_S, engine_core_pid, start_server
 
 
 def _usage_error(capsys, *argv: str) -> str:
@@ -127,6 +127,19 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback(capsys, monk
     monkeypatch.setattr(launcher, "run_server", interrupted)
     assert cli.main(["serve", str(tiny_llama_dir)]) == 130
     assert capsys.readouterr().err == "kvpilot serve: interrupted\n"
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_only_the_engine_process_loads_torch(server):
+    """The API server tokenizes and streams: torch in it would cost every start its import (~1.4 s)."""
+    answer = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                        timeout=HTTP_TIMEOUT_S)
+    assert answer.status_code == 200, answer.text
+    assert _maps_torch(engine_core_pid(server.pid))
+    assert not _maps_torch(server.pid)
 
 
 def test_make_serve_takes_another_port_and_host():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -20,24 +21,26 @@ MAX_TOKENS = 24
 def test_served_tensor_parallel_is_exact_under_concurrent_load_and_aborts(tiny_qwen2_dir, tmp_path):
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 512) for _ in range(n)] for n in (3, 8, 17, 31, 64, 100, 9, 45)]
-    # The reference: one process, a pool with room for everything, the same detokenizing path.
-    single = start_server(tiny_qwen2_dir, tmp_path)
-    try:
-        expected = asyncio.run(_complete_all(single.base_url, prompts, abandon=False))
-    finally:
-        single.stop()
-
     # No PYTHONHASHSEED: every spawned rank picks its own at random.
     env = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
-    server = start_server(tiny_qwen2_dir, tmp_path, "--tensor-parallel-size", "2", "--block-size", "8",
-                          "--max-num-batched-tokens", "24", "--max-num-seqs", "4",
-                          "--num-gpu-blocks-override", "30", env=env)
+    # The two start together, their start-ups overlapping; the reference (one process, a pool with
+    # room for everything, the same detokenizing path) then answers before the TP server's load.
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(start_server, tiny_qwen2_dir, tmp_path),
+                  pool.submit(start_server, tiny_qwen2_dir, tmp_path, "--tensor-parallel-size", "2",
+                              "--block-size", "8", "--max-num-batched-tokens", "24", "--max-num-seqs", "4",
+                              "--num-gpu-blocks-override", "30", env=env)]
+    started = [start.result() for start in starts if start.exception() is None]
     try:
+        single, server = (start.result() for start in starts)
+        expected = asyncio.run(_complete_all(single.base_url, prompts, abandon=False))
+        single.stop()
         for _ in range(3):
             assert asyncio.run(_complete_all(server.base_url, prompts, abandon=True)) == expected
         assert server.metric("vllm:num_preemptions_total") > 0
     finally:
-        server.stop()
+        for process in started:
+            process.stop()
 
 
 async def _complete_all(base_url: str, prompts: list[list[int]], abandon: bool) -> list[str]:
