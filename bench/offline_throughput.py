@@ -49,11 +49,11 @@ def _hf_model(model: str):
 
 
 def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> int:
+    from transformers import GenerationConfig  # where it is used, as in _hf_model
+
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    from transformers import GenerationConfig
-
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=[], pad_token_id=pad_id)
     with torch.no_grad():
