@@ -28,6 +28,7 @@ TINY_ARGS = {
                             "--repeats", "1"],
     "attention_options.py": ["--num-reqs", "2", "--num-prefills", "2", "--repeats", "1", "--calls", "1",
                              "--baseline", "HEAD", "--cold"],
+    "attention_from_memory.py": ["--tiny", "--kernel", str(BENCH.parent / "kernels/cpu/paged_attention.c")],
     "smollm2_throughput.py": ["--num-prompts", "2", "--new-tokens", "2"],
     "bf16_vs_f32.py": ["--prompt-len", "8", "--prefill-prompts", "1", "--batch-sizes", "1,2", "--new-tokens", "2",
                        "--repetitions", "1"],
@@ -61,7 +62,8 @@ TINY_ARGS = {
                               "--words-per-turn", "4", "--output-len", "2", "--max-concurrency", "2",
                               "--repetitions", "1"],
 }
-MODEL_FREE = {"kernels.py", "quant_matmul.py", "scheduler_overhead.py", "attention_options.py", "sim_scale.py", "operator_page_read.py"}
+MODEL_FREE = {"kernels.py", "quant_matmul.py", "scheduler_overhead.py", "attention_options.py", "attention_from_memory.py",
+              "sim_scale.py", "operator_page_read.py"}
 # These write a report with figures (kvpilot.runtime.benchmarks.report): the smoke run gives them a
 # temporary folder, so that it never overwrites the committed results.
 WRITES_REPORT = {"bf16_vs_f32.py", "concurrency_throughput.py", "prefix_caching_ttft.py", "chunked_prefill_itl.py",
