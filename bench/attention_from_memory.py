@@ -19,9 +19,7 @@ interleaved; medians of `--repeats` steps in wall-clock time, threads as torch h
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +47,6 @@ def _block_tables(seq_lens: torch.Tensor, order: str, gen: torch.Generator) -> t
 def _caches(layers: int, blocks: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(layers)]
-
-
-def _kernel_from(source: Path):
-    folder = Path(tempfile.mkdtemp(prefix="kvpilot-kernel-"))
-    shutil.copy(source, folder / "paged_attention.c")
-    return bind(load_source(folder / "paged_attention.c"))
 
 
 def main() -> None:
@@ -86,7 +78,7 @@ def main() -> None:
 
     kernels = {"kept": None}
     if args.kernel:
-        kernels[args.kernel.name] = _kernel_from(args.kernel)
+        kernels[args.kernel.name] = bind(load_source(args.kernel))
         tables, caches = places["memory, scattered"]
         kept = paged_attention(q, *caches[0], tables, query_start_loc, seq_lens, scale)
         other = paged_attention(q, *caches[0], tables, query_start_loc, seq_lens, scale, kernel=kernels[args.kernel.name])
@@ -130,6 +122,7 @@ def main() -> None:
         name = f"{kernel} kernel, {place}" if kernel in kernels else kernel
         moved = read if kernel in kernels else held
         print(f"| {name} | {seconds * 1e3:.2f} | {moved / seconds / 1e9:.1f} | {seconds / baseline:.2f}x |")
+
 
 if __name__ == "__main__":
     main()
