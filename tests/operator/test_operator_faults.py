@@ -6,6 +6,7 @@ time the operator retries (with backoff), keeps running, and ends with every chi
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 from pathlib import Path
@@ -18,8 +19,7 @@ from emulated_apiserver import Fault
 from fake_metrics import fake_metrics
 from kvpilot.operator import handlers, kube, naming
 from operator_harness import (
-    CHILDREN, SPEC, TEST_CLIENT, Cluster, child, cluster, condition, created, eventually, key, operator, phase_is,
-    run,
+    CHILDREN, SPEC, TEST_CLIENT, Cluster, child, cluster, created, eventually, key, operator, phase_is, run,
 )
 from operator_process import start
 
@@ -119,10 +119,12 @@ def test_server_errors_on_every_verb_delay_the_work_but_never_end_it(tmp_path: P
             await created(k)
             await converged(k)
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": True}))
-            # The routers' pass done (its status written) before routing is turned off. A spec
-            # change made while a pass slowed by API errors still runs is not what this test is
-            # about: kopf can take it as handled without a pass of its own (an open problem).
-            await eventually(lambda: k.deployment("qwen-router") and condition(k.engine("qwen"), "RouterReady"),
+            # The routers' pass done before routing is turned off: kopf has recorded the spec it
+            # handled (RouterReady alone is not enough: a Deployment's event can write it while the
+            # pass still runs). A spec change made while a pass slowed by API errors still runs is
+            # not what this test is about: it may be taken as handled without a pass of its own
+            # (an open problem).
+            await eventually(lambda: k.deployment("qwen-router") and routing_handled(k.engine("qwen")),
                              "the routers, and their pass done")
             faults.append(k.server.inject(failing(*VERBS[-1])))
             await k.update_engine("qwen", lambda spec: spec.update(routing={"enabled": False}))
@@ -130,6 +132,12 @@ def test_server_errors_on_every_verb_delay_the_work_but_never_end_it(tmp_path: P
             assert [fault.hits for fault in faults] == [failures for _, _, failures in VERBS]
 
     run(scenario())
+
+
+def routing_handled(engine: dict[str, Any]) -> bool:
+    """Whether kopf has recorded a spec with routing on as handled (its diff base)."""
+    handled = engine["metadata"].get("annotations", {}).get(f"{naming.GROUP}/last-handled-configuration")
+    return handled is not None and json.loads(handled)["spec"].get("routing", {}).get("enabled", False)
 
 
 def engine_watches(request: kmock.Request) -> bool:
