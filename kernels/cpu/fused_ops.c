@@ -17,8 +17,10 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-/* Below this many elements a parallel region costs more than it saves. */
-#define PARALLEL_MIN 65536
+/* Below this many elements a parallel region costs more than it saves. A sixteen-row decode
+ * step's norms, rotations and activations are past it: run on one thread (at 65536), they kept
+ * the other waiting, and SmolLM2's step took 1.2 % longer. */
+#define PARALLEL_MIN 4096
 
 /* For each row r: s = x[r] (+ residual[r], written back to residual[r] when residual is given),
  * out[r] = weight * (s / sqrt(mean(s^2) + eps)). out may be x: each row is read before it is
@@ -157,44 +159,41 @@ int kv_cache_write(const char *k, int64_t k_stride, const char *v, int64_t v_str
     return 0;
 }
 
-/* Vectors of 16 lanes (GNU C vector extensions: one AVX-512 register, two AVX2 ones, ...). */
-#define ARGMAX_LANES 16
-typedef float argmax_vec __attribute__((vector_size(ARGMAX_LANES * sizeof(float))));
-typedef int32_t argmax_ivec __attribute__((vector_size(ARGMAX_LANES * sizeof(int32_t))));
-
 /* The index of row r's largest entry, torch.argmax's: the first one among equals, and the first
  * NaN where there is one (NaN counts as the largest). Each lane keeps the first maximum of its
  * own columns (a strict >), so the row's first maximum is the smallest index among the lanes
- * holding the largest value; columns past the last whole vector come after every lane's. */
+ * holding the largest value; columns past the last whole vector come after every lane's. The
+ * lanes are one machine register: 16 of them on an AVX2 machine went through the stack, and a
+ * sixteen-row decode step's argmax took ten times as long. */
 static int64_t argmax_row(const float *x, int64_t cols)
 {
     int64_t best = 0;
     float best_value = x[0];
     int64_t start = 0;
     int has_nan = 0;
-    if (cols >= ARGMAX_LANES) {
-        argmax_vec values;
-        argmax_ivec indices, lane_indices, nan = {0};
+    if (cols >= LANES) {
+        lanes_f32 values;
+        lanes_i32 indices, lane_indices, nan = {0};
         memcpy(&values, x, sizeof values);
-        for (int j = 0; j < ARGMAX_LANES; j++)
+        for (int j = 0; j < LANES; j++)
             indices[j] = j;
         lane_indices = indices;
-        start = cols - cols % ARGMAX_LANES;
-        for (int64_t i = ARGMAX_LANES; i < start; i += ARGMAX_LANES) {
-            argmax_vec v;
+        start = cols - cols % LANES;
+        for (int64_t i = LANES; i < start; i += LANES) {
+            lanes_f32 v;
             memcpy(&v, x + i, sizeof v);
-            lane_indices += ARGMAX_LANES;
-            const argmax_ivec greater = v > values;
+            lane_indices += (int32_t)LANES;
+            const lanes_i32 greater = v > values;
             nan |= v != v;
-            values = (argmax_vec)(((argmax_ivec)v & greater) | ((argmax_ivec)values & ~greater));
+            values = select_lanes(greater, v, values);
             indices = (lane_indices & greater) | (indices & ~greater);
         }
         nan |= values != values;
-        for (int j = 0; j < ARGMAX_LANES; j++)
+        for (int j = 0; j < LANES; j++)
             has_nan |= nan[j];
         best_value = values[0];
         best = indices[0];
-        for (int j = 1; j < ARGMAX_LANES; j++)
+        for (int j = 1; j < LANES; j++)
             if (values[j] > best_value || (values[j] == best_value && indices[j] < best)) {
                 best_value = values[j];
                 best = indices[j];

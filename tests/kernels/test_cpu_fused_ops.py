@@ -120,7 +120,7 @@ def test_greedy_generation_with_the_c_kernels_matches_the_torch_path(tiny_llama_
             assert mine[token].logprob == pytest.approx(ref[token].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 2048, 49157])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 15, 16, 17, 33, 2048, 49157])
 def test_argmax_is_torch_argmax_with_ties_nans_and_infinities(vocab):
     gen = _gen(vocab)
     rows = [torch.randn(vocab, generator=gen) for _ in range(4)]
