@@ -581,12 +581,22 @@ INLINE void tile_block(const struct problem *p, const float *scratch, int64_t nt
         float sums[ACC][NATIVE];
         _Pragma("GCC unroll 16") for (int a = 0; a < ACC; a++)
             memcpy(sums[a], &acc[a], sizeof acc[a]);
-        for (int j = 0; j < nb && n0 + j < nt; j++)
-            for (int i = 0; i < V * NATIVE && m0 + i < p->m; i++) {
-                float *o = p->out + (m0 + i) * p->out_stride + r0 + n0 + j;
-                const float sum = sums[j * V + i / NATIVE][i % NATIVE];
-                *o = k0 ? *o + sum : sum;
+        /* A row of out at a time, its nb outputs side by side; a whole block in constant bounds,
+         * unrolled (variable bounds would index acc by a variable: see above). */
+        if (p->m - m0 >= V * NATIVE && nt - n0 >= nb) {
+            _Pragma("GCC unroll 16") for (int i = 0; i < V * NATIVE; i++) {
+                float *o = p->out + (m0 + i) * p->out_stride + r0 + n0;
+                _Pragma("GCC unroll 12") for (int j = 0; j < nb; j++)
+                    o[j] = k0 ? o[j] + sums[j * V + i / NATIVE][i % NATIVE] : sums[j * V + i / NATIVE][i % NATIVE];
             }
+        } else {
+            for (int j = 0; j < nb && n0 + j < nt; j++)
+                for (int i = 0; i < V * NATIVE && m0 + i < p->m; i++) {
+                    float *o = p->out + (m0 + i) * p->out_stride + r0 + n0 + j;
+                    const float sum = sums[j * V + i / NATIVE][i % NATIVE];
+                    *o = k0 ? *o + sum : sum;
+                }
+        }
     }
 }
 

@@ -143,9 +143,10 @@ def test_many_rows_dequantize_the_weight_exactly_for_torchs_gemm(level, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "int8"])
-@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("num_tokens", [1, 9, 17])
 def test_shards_and_strided_rows_match(level, qtype, num_tokens):
-    """TP shards are views with a wider row stride; columns past one 1536-wide tile are summed in."""
+    """TP shards are views with a wider row stride; columns past one 1536-wide tile are summed in
+    (17 rows: into whole register blocks too)."""
     weight = packed(qtype, 21, 2048, seed=7)
     x = torch.randn(num_tokens, 2304, generator=_gen(8))[:, :2048]  # rows 2304 floats apart
     _assert_matches_reference(x, weight.narrow_rows(5, 11), level)
