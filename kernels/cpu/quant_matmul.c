@@ -421,9 +421,17 @@ INLINE void dequantize_span(const int t, const struct problem *p, int64_t r, int
     const uint8_t *row = p->w + r * p->w_stride;
     const float row_scale = t == I8 ? p->row_scales[r] : 0.0f;
     const int64_t whole = n / bs * bs;
-    for (int64_t k = 0; k < whole; k += bs)
-        _Pragma("GCC unroll 16") for (int g = 0; g < bs / VW; g++)
-            store(w + k + VW * g, dequantize_group(t, row + (k0 + k) / bs * block_bytes(t), g, row_scale));
+    /* Two groups (most types' unit of 32) computed before either is stored: the stores could
+     * alias the block's bytes, so a store between them made the second reload its scale and
+     * widen its bytes again. */
+    for (int64_t k = 0; k < whole; k += bs) {
+        const uint8_t *block = row + (k0 + k) / bs * block_bytes(t);
+        _Pragma("GCC unroll 8") for (int g = 0; g < bs / VW; g += 2) {
+            const vf first = dequantize_group(t, block, g, row_scale), second = dequantize_group(t, block, g + 1, row_scale);
+            store(w + k + VW * g, first);
+            store(w + k + VW * (g + 1), second);
+        }
+    }
     for (int64_t k = whole; k < n; k++) /* only int8 has columns outside whole blocks */
         w[k] = row_scale * (float)(int8_t)row[k0 + k];
 }
